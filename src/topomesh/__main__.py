@@ -1,0 +1,5 @@
+import sys
+
+from topomesh.cli.main import main
+
+sys.exit(main())

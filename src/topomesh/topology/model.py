@@ -1,0 +1,474 @@
+"""The topology data model every part of topomesh reads.
+
+Two levels:
+
+* **Host level** — what one node looks like: its :class:`Device` s (GPUs, CPU sockets),
+  :class:`Nic` s and the :class:`Path` between any two of them (the ``nvidia-smi topo -m``
+  classes, or an NVLink bond). Discovery and the imports produce a :class:`Host`.
+* **World level** — a :class:`Topology`: hosts, which rank runs on which host and device
+  (:class:`RankInfo`) and the rank-to-rank :class:`Connection` s, kept in a compact
+  :class:`ConnectionTable` so that 16k-rank worlds need no ranks² storage.
+
+Units are in the names: ``_us`` microseconds, ``_GBps`` gigabytes/s (bytes),
+``_Gbps`` gigabits/s (NIC line rates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+from topomesh.errors import TopologyError
+
+
+class LinkKind(StrEnum):
+    """How two endpoints are connected, fastest first.
+
+    ``PIX``…``SYS`` are the PCIe classes of the ``nvidia-smi topo -m`` legend:
+    PIX = at most one PCIe bridge, PXB = several bridges without the host bridge,
+    PHB = through a PCIe host bridge (the CPU), NODE = between host bridges of one NUMA
+    node, SYS = across the inter-socket link (QPI/UPI).
+    """
+
+    LOC = "LOC"  # the same device
+    NVSWITCH = "NVSwitch"  # NVLink through an NVSwitch fabric
+    NVLINK = "NVLink"  # direct (bonded) NVLink
+    PIX = "PIX"
+    PXB = "PXB"
+    PHB = "PHB"
+    NODE = "NODE"
+    SYS = "SYS"
+    SHM = "SHM"  # same host, no accelerator: CPU processes over shared memory / loopback
+    IB = "IB"  # InfiniBand (or RoCE) between hosts
+    NIC = "NIC"  # Ethernet / TCP between hosts
+    UNKNOWN = "UNKNOWN"  # a file that names no type (the RFC's first variant)
+
+    @property
+    def tier(self) -> int:
+        """Speed class, 0 fastest; kinds of one tier are interchangeable for placement."""
+        return _TIER[self]
+
+    @property
+    def is_pcie(self) -> bool:
+        return self in _PCIE
+
+    @property
+    def is_nvlink(self) -> bool:
+        return self in (LinkKind.NVLINK, LinkKind.NVSWITCH)
+
+    @property
+    def intra_host(self) -> bool:
+        """True when both ends are on one host."""
+        return self not in (LinkKind.IB, LinkKind.NIC, LinkKind.UNKNOWN)
+
+    @property
+    def rfc_type(self) -> str:
+        """The connection ``type`` string of the RFC file (PCIe classes collapse to PCIe)."""
+        return "PCIe" if self.is_pcie else self.value
+
+    @classmethod
+    def parse(cls, text: str) -> LinkKind:
+        """Parse a kind name, case-insensitively; also the RFC's ``PCIe`` (→ PHB) and ``NV#``."""
+        key = text.strip()
+        for kind in cls:
+            if kind.value.lower() == key.lower():
+                return kind
+        low = key.lower()
+        if low == "pcie":
+            return cls.PHB
+        if low in ("ethernet", "eth", "tcp", "roce_eth"):
+            return cls.NIC
+        if low.startswith("nv") and low[2:].isdigit():
+            return cls.NVLINK
+        raise ValueError(f"unknown link kind {text!r}")
+
+
+_PCIE = frozenset({LinkKind.PIX, LinkKind.PXB, LinkKind.PHB, LinkKind.NODE, LinkKind.SYS})
+_TIER = {
+    LinkKind.LOC: 0,
+    LinkKind.NVSWITCH: 1,
+    LinkKind.NVLINK: 1,
+    LinkKind.PIX: 2,
+    LinkKind.PXB: 3,
+    LinkKind.PHB: 4,
+    LinkKind.NODE: 5,
+    LinkKind.SYS: 6,
+    LinkKind.SHM: 6,
+    LinkKind.IB: 7,
+    LinkKind.NIC: 8,
+    LinkKind.UNKNOWN: 9,
+}
+
+
+class DeviceKind(StrEnum):
+    GPU = "GPU"
+    CPU = "CPU"
+
+
+class NicKind(StrEnum):
+    IB = "IB"  # InfiniBand or RoCE (an RDMA device under /sys/class/infiniband)
+    ETHERNET = "Ethernet"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Connection:
+    """One rank-to-rank connection as the RFC file records it."""
+
+    kind: LinkKind
+    latency_us: float
+    """One-way small-message latency, microseconds."""
+    bandwidth_GBps: float
+    """Unidirectional bandwidth, GB/s (10^9 bytes per second)."""
+    channels: int = 1
+    """Parallel links or channels (NVLink count of the bond, 1 otherwise)."""
+    measured: bool = False
+    """True when latency and bandwidth were measured by a probe, not taken from defaults."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, LinkKind):
+            raise TopologyError(f"connection kind must be a LinkKind, got {self.kind!r}")
+        if not (self.latency_us >= 0 and np.isfinite(self.latency_us)):
+            raise TopologyError(f"latency must be a finite number >= 0 us, got {self.latency_us}")
+        if not (self.bandwidth_GBps >= 0 and np.isfinite(self.bandwidth_GBps)):
+            raise TopologyError(
+                f"bandwidth must be a finite number >= 0 GB/s, got {self.bandwidth_GBps}"
+            )
+        if self.channels < 0:
+            raise TopologyError(f"channels must be >= 0, got {self.channels}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Device:
+    """A compute device on a host: a GPU, or a CPU socket / NUMA node for CPU-only ranks."""
+
+    id: str
+    """Stable name on its host, e.g. ``GPU0`` or ``CPU1``."""
+    kind: DeviceKind
+    index: int
+    """Index among devices of its kind (CUDA ordinal for GPUs, NUMA node for CPUs)."""
+    name: str = ""
+    """Model name, e.g. ``NVIDIA H100 80GB HBM3``."""
+    pci_bus_id: str | None = None
+    numa_node: int | None = None
+    arch: str | None = None
+    """Compute capability as ``sm<major><minor>``, e.g. ``sm90``; selects NVLink speeds."""
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Nic:
+    """A network interface that can carry inter-host traffic."""
+
+    id: str
+    """Stable name on its host, e.g. ``NIC0``."""
+    name: str
+    """OS name: ``mlx5_0`` for RDMA devices, ``eth0`` for Ethernet."""
+    kind: NicKind
+    speed_Gbps: float | None = None
+    """Line rate in gigabits per second, when known."""
+    pci_bus_id: str | None = None
+    numa_node: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Path:
+    """How two endpoints (devices or NICs) of one host reach each other."""
+
+    a: str
+    b: str
+    kind: LinkKind
+    nvlink_count: int = 0
+    """Links in the NVLink bond (the ``#`` of ``NV#``); 0 for PCIe paths."""
+    bandwidth_GBps: float | None = None
+    """Known bottleneck bandwidth (e.g. PCIe gen x width); None = default for the kind."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Host:
+    """One node: its devices, NICs and the paths between them."""
+
+    hostname: str
+    devices: tuple[Device, ...] = ()
+    nics: tuple[Nic, ...] = ()
+    paths: tuple[Path, ...] = ()
+    _index: dict[frozenset[str], Path] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        ids = [d.id for d in self.devices] + [n.id for n in self.nics]
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise TopologyError(f"duplicate endpoint ids {dup}", source=self.hostname)
+        known = set(ids)
+        for p in self.paths:
+            if p.a not in known or p.b not in known:
+                missing = p.a if p.a not in known else p.b
+                raise TopologyError(f"path names unknown endpoint {missing!r}", source=self.hostname)
+            if p.a == p.b:
+                raise TopologyError(f"path from {p.a!r} to itself", source=self.hostname)
+            self._index[frozenset((p.a, p.b))] = p
+
+    @property
+    def gpus(self) -> tuple[Device, ...]:
+        return tuple(d for d in self.devices if d.kind is DeviceKind.GPU)
+
+    def device(self, device_id: str) -> Device:
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        raise TopologyError(f"no device {device_id!r}", source=self.hostname)
+
+    def path(self, a: str, b: str) -> Path | None:
+        """The path between two endpoints, or None when the host does not say."""
+        return self._index.get(frozenset((a, b)))
+
+    def nearest_nic(self, device_id: str | None) -> Nic | None:
+        """The NIC a device should use (rail): fastest PCIe class, then fastest NIC, then order.
+
+        IB NICs are preferred over Ethernet ones, as NCCL does.
+        """
+        if not self.nics:
+            return None
+
+        def key(item: tuple[int, Nic]) -> tuple[int, int, float, int]:
+            i, nic = item
+            p = self.path(device_id, nic.id) if device_id else None
+            tier = p.kind.tier if p else LinkKind.SYS.tier + 1
+            return (0 if nic.kind is NicKind.IB else 1, tier, -(nic.speed_Gbps or 0.0), i)
+
+        return min(enumerate(self.nics), key=key)[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form, used to exchange hosts through the rendezvous store."""
+        return {
+            "hostname": self.hostname,
+            "devices": [_fields(d) for d in self.devices],
+            "nics": [_fields(n) for n in self.nics],
+            "paths": [_fields(p) for p in self.paths],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "host") -> Host:
+        """Inverse of :meth:`to_dict`; raises :class:`TopologyError` on any malformed field."""
+        try:
+            if not isinstance(data, Mapping):
+                raise TypeError("expected an object")
+            devices = tuple(
+                Device(**{**d, "kind": DeviceKind(d["kind"])}) for d in data.get("devices", ())
+            )
+            nics = tuple(Nic(**{**n, "kind": NicKind(n["kind"])}) for n in data.get("nics", ()))
+            paths = tuple(
+                Path(**{**p, "kind": LinkKind.parse(p["kind"])}) for p in data.get("paths", ())
+            )
+            hostname = data["hostname"]
+            if not isinstance(hostname, str) or not hostname:
+                raise TypeError("hostname must be a non-empty string")
+            return cls(hostname=hostname, devices=devices, nics=nics, paths=paths)
+        except TopologyError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise TopologyError(f"malformed host description ({exc})", source=source) from None
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """Shallow JSON form of a flat dataclass: enums as their values, None fields left out."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if v is not None:
+            out[f.name] = v.value if isinstance(v, StrEnum) else v
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankInfo:
+    """Where one rank runs."""
+
+    rank: int
+    host: int
+    """Index into :attr:`Topology.hosts`."""
+    local_rank: int
+    device: str | None = None
+    """Device id on its host (``GPU3``), or None when the rank has no device of its own."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ConnectionTable:
+    """Rank-to-rank connections in O(hosts + ranks) space with O(1) lookup.
+
+    Connections are interned in ``palette``. Ranks on one host look up a small matrix
+    shared by every host of the same class (``local[host_class[h]][local_of[a], local_of[b]]``);
+    ranks on different hosts look up ``inter[rail_of[a], rail_of[b]]``, where a rail is a
+    class of NIC (kind and speed) a rank sends through. ``overrides`` holds the pairs that
+    fit neither rule (measured values, irregular files), keyed ``(min, max)``.
+    """
+
+    palette: tuple[Connection, ...]
+    host_of: np.ndarray
+    local_of: np.ndarray
+    host_class: np.ndarray
+    local: tuple[np.ndarray, ...]
+    rail_of: np.ndarray
+    inter: np.ndarray
+    overrides: Mapping[tuple[int, int], int] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.host_of.shape[0])
+
+    def index(self, a: int, b: int) -> int:
+        """Palette index of the connection between ranks ``a`` and ``b``."""
+        if self.overrides:
+            hit = self.overrides.get((a, b) if a <= b else (b, a))
+            if hit is not None:
+                return hit
+        ha = self.host_of[a]
+        if ha == self.host_of[b]:
+            return int(self.local[self.host_class[ha]][self.local_of[a], self.local_of[b]])
+        return int(self.inter[self.rail_of[a], self.rail_of[b]])
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Topology:
+    """The world: hosts, rank placement and every rank-to-rank connection."""
+
+    hosts: tuple[Host, ...]
+    ranks: tuple[RankInfo, ...]
+    table: ConnectionTable
+    run_id: str | None = None
+    restart_count: int | None = None
+    source: str | None = None
+    """Where this topology came from (a file path, ``discover``, ``rendezvous``)."""
+
+    def __post_init__(self) -> None:
+        for i, r in enumerate(self.ranks):
+            if r.rank != i:
+                raise TopologyError(f"ranks must be 0..{len(self.ranks) - 1} in order; got {r.rank} at {i}")
+            if not 0 <= r.host < len(self.hosts):
+                raise TopologyError(f"rank {i} names host index {r.host}, but there are {len(self.hosts)} hosts")
+        if self.table.world_size != len(self.ranks):
+            raise TopologyError(
+                f"connection table covers {self.table.world_size} ranks, topology has {len(self.ranks)}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def _check(self, rank: int) -> None:
+        if not 0 <= rank < len(self.ranks):
+            raise TopologyError(f"rank {rank} is outside the world of {len(self.ranks)} ranks")
+
+    def connection(self, a: int, b: int) -> Connection:
+        """The connection between ranks ``a`` and ``b`` (``LOC`` when ``a == b``)."""
+        self._check(a)
+        self._check(b)
+        return self.table.palette[self.table.index(a, b)]
+
+    def host_of(self, rank: int) -> Host:
+        self._check(rank)
+        return self.hosts[self.ranks[rank].host]
+
+    def same_host(self, a: int, b: int) -> bool:
+        self._check(a)
+        self._check(b)
+        return self.ranks[a].host == self.ranks[b].host
+
+    def ranks_by_host(self) -> list[list[int]]:
+        """Ranks of each host, in host order; hosts without ranks give empty lists."""
+        groups: list[list[int]] = [[] for _ in self.hosts]
+        for r in self.ranks:
+            groups[r.host].append(r.rank)
+        return groups
+
+    def domains(self, kind: LinkKind | str) -> list[list[int]]:
+        """Groups of ranks that reach each other through links at least as fast as ``kind``.
+
+        ``domains(LinkKind.NVLINK)`` gives the NVLink islands, ``domains("PXB")`` the ranks
+        under common PCIe switches, ``domains(LinkKind.SHM)`` or any inter-host kind's
+        predecessor gives whole hosts; ``domains(LinkKind.NIC)`` the whole world. Groups are
+        sorted by their smallest rank; every rank is in exactly one group.
+        """
+        kind = LinkKind.parse(kind) if isinstance(kind, str) else kind
+        if not kind.intra_host:
+            if kind is LinkKind.IB:
+                # ranks joined by IB or anything faster: hosts with an IB rail form one domain
+                return _union_inter(self, max_tier=kind.tier)
+            return [list(range(self.world_size))]
+        out: list[list[int]] = []
+        for ranks in self.ranks_by_host():
+            out.extend(_components(self, ranks, kind.tier))
+        return sorted(out, key=lambda g: g[0])
+
+    def replica_peers(self, rank: int, k: int) -> list[int]:
+        """``k`` ranks in other failure domains to hold copies of ``rank``'s checkpoint shard.
+
+        Other hosts first (round-robin over hosts, starting after the rank's own host, the
+        same local rank preferred on each, so copies use the same rail); then other NVLink
+        islands of the same host; then any other rank. Raises when ``k`` exceeds the ranks
+        available.
+        """
+        self._check(rank)
+        if k < 0 or k > self.world_size - 1:
+            raise TopologyError(f"cannot pick {k} replica peers for rank {rank} in a world of {self.world_size}")
+        me = self.ranks[rank]
+        by_host = self.ranks_by_host()
+        order = [(me.host + i) % len(self.hosts) for i in range(1, len(self.hosts))]
+        picked: list[int] = []
+        for h in order:
+            if len(picked) == k:
+                break
+            cands = by_host[h]
+            if not cands:
+                continue
+            same = [r for r in cands if self.ranks[r].local_rank == me.local_rank]
+            picked.append(same[0] if same else cands[0])
+        if len(picked) < k:
+            rest = [r for h in order for r in by_host[h] if r not in picked]
+            island = next(g for g in self.domains(LinkKind.NVLINK) if rank in g)
+            local = [r for r in by_host[me.host] if r != rank]
+            local.sort(key=lambda r: (r in island, r))
+            for r in local + rest:
+                if len(picked) == k:
+                    break
+                if r not in picked:
+                    picked.append(r)
+        return picked
+
+
+def _components(topo: Topology, ranks: Sequence[int], max_tier: int) -> list[list[int]]:
+    """Connected components of ``ranks`` over links of tier <= ``max_tier`` (union-find)."""
+    parent = {r: r for r in ranks}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for i, a in enumerate(ranks):
+        for b in ranks[i + 1 :]:
+            if topo.connection(a, b).kind.tier <= max_tier:
+                ra, rb = find(a), find(b)
+                if ra != rb:
+                    parent[max(ra, rb)] = min(ra, rb)
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(find(r), []).append(r)
+    return list(groups.values())
+
+
+def _union_inter(topo: Topology, max_tier: int) -> list[list[int]]:
+    """Hosts joined when one rank pair between them is connected at tier <= max_tier."""
+    by_host = [h for h in topo.ranks_by_host() if h]
+    reps = [h[0] for h in by_host]
+    comps = _components(topo, reps, max_tier)
+    host_of_rep = {rep: grp for rep, grp in zip(reps, by_host, strict=True)}
+    out = [sorted(r for rep in comp for r in host_of_rep[rep]) for comp in comps]
+    return sorted(out, key=lambda g: g[0])
