@@ -104,8 +104,8 @@ def to_dict(topo: Topology) -> dict[str, Any]:
         doc["run_id"] = topo.run_id
     if topo.restart_count is not None:
         doc["restart_count"] = str(topo.restart_count)
-    doc["hosts"] = {h.hostname: h.to_dict() for h in topo.hosts}
     doc["ranks"] = ranks
+    doc["hosts"] = {h.hostname: h.to_dict() for h in topo.hosts}
     return doc
 
 

@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from topomesh.errors import TopologyError
+from topomesh.topology import api
+from topomesh.topology.build import build_topology, default_placement
+from topomesh.topology.formats import rfc
+from topomesh.topology.model import LinkKind
+
+from .helpers import dgx_host, pcie_host
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+def golden_topology():
+    hosts = [pcie_host("node-a"), pcie_host("node-b")]
+    return build_topology(hosts, default_placement(hosts, [2, 2]), run_id="job42", restart_count=1)
+
+
+def test_writer_matches_golden_file_byte_for_byte():
+    assert api.dumps(golden_topology(), "dense") == (GOLDEN / "two_hosts_nvlink_pairs.v01.json").read_text()
+
+
+def test_golden_round_trip_is_identical():
+    text = (GOLDEN / "two_hosts_nvlink_pairs.v01.json").read_text()
+    topo = api.parse_text(text, source="golden")
+    assert api.dumps(topo, "dense") == text
+    assert topo.run_id == "job42" and topo.restart_count == 1
+    assert [h.hostname for h in topo.hosts] == ["node-a", "node-b"]
+    assert topo.connection(0, 1).kind is LinkKind.NVLINK and topo.connection(0, 1).channels == 4
+    assert topo.connection(1, 2).kind is LinkKind.NIC
+
+
+def test_written_file_follows_the_rfc_shape_and_schema():
+    doc = rfc.to_dict(golden_topology())
+    jsonschema.validate(doc, rfc.schema())
+    assert doc["version"] == "0.1"
+    conn = doc["ranks"]["0"]["peers"]["1"]["connection"]
+    # values are strings, with {"value", "measurement"} pairs, as in the RFC text
+    assert conn["latency"]["measurement"] == "us" and isinstance(conn["latency"]["value"], str)
+    assert conn["bandwidth"]["measurement"] == "GB/s" and isinstance(conn["bandwidth"]["value"], str)
+    assert conn["channels"] == {"count": "4"}
+    assert conn["type"] == "NVLink"
+    # every rank lists every other rank, never itself
+    for r, entry in doc["ranks"].items():
+        assert set(entry["peers"]) == {str(p) for p in range(4)} - {r}
+
+
+def test_pcie_classes_survive_as_named_property():
+    hosts = [pcie_host("p")]
+    t = build_topology(hosts, default_placement(hosts, [4]))
+    doc = rfc.to_dict(t)
+    c = doc["ranks"]["0"]["peers"]["2"]["connection"]
+    assert c["type"] == "PCIe" and c["pcie_class"] == "SYS"
+    assert api.parse_text(json.dumps(doc)).connection(0, 2).kind is LinkKind.SYS
+
+
+def test_reads_rfc_variant_without_type():
+    topo = api.read_source(GOLDEN / "rfc_example_variant_a.json")
+    c = topo.connection(0, 2)
+    assert c.kind is LinkKind.UNKNOWN
+    assert (c.latency_us, c.bandwidth_GBps, c.channels) == (600.0, 0.4, 4)
+    assert topo.connection(0, 1).latency_us == 22.0
+    # no types and no host names: every rank is its own host
+    assert len(topo.hosts) == 3
+
+
+def test_reads_rfc_variant_with_type_and_count_one_direction_only():
+    topo = api.read_source(GOLDEN / "rfc_example_variant_b.json")
+    assert topo.connection(1, 0).kind is LinkKind.NVLINK  # only 0->1 is written
+    assert topo.connection(2, 1).kind is LinkKind.IB
+    assert topo.connection(0, 1).channels == 4
+    # NVLink joins ranks 0 and 1 into one inferred host
+    assert topo.same_host(0, 1) and not topo.same_host(0, 2)
+    assert topo.domains(LinkKind.NVLINK) == [[0, 1], [2]]
+
+
+def test_units_are_converted():
+    doc = json.loads((GOLDEN / "rfc_example_variant_b.json").read_text())
+    c = doc["ranks"]["0"]["peers"]["2"]["connection"]
+    c["latency"] = {"value": "0.6", "measurement": "ms"}
+    c["bandwidth"] = {"value": 200, "measurement": "Gb/s"}
+    topo = rfc.from_dict(doc)
+    assert topo.connection(0, 2).latency_us == pytest.approx(600.0)
+    assert topo.connection(0, 2).bandwidth_GBps == pytest.approx(25.0)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(version="0.2"), r"\$\.version: unsupported version '0.2'"),
+        (lambda d: d["ranks"]["0"]["peers"]["1"]["connection"].update(type="Warp"), "unknown connection type 'Warp'"),
+        (lambda d: d["ranks"]["0"]["peers"]["1"]["connection"]["latency"].update(value="fast"), "expected a number, got 'fast'"),
+        (lambda d: d["ranks"]["0"]["peers"]["1"]["connection"]["latency"].update(measurement="days"), "unknown latency unit 'days'"),
+        (lambda d: d["ranks"]["0"]["peers"].update({"7": d["ranks"]["0"]["peers"]["1"]}), "peer 7 is not a rank"),
+        (lambda d: d["ranks"].pop("1"), "missing"),
+        (lambda d: d["ranks"]["2"].pop("peers"), "'peers' is a required property"),
+        (lambda d: d["ranks"]["0"]["peers"].pop("2"), "no connection between ranks 0 and 2"),
+        (lambda d: d["ranks"]["0"]["peers"]["1"]["connection"].update(channels={"count": "2.5"}), "whole number"),
+    ],
+)
+def test_bad_documents_name_file_place_and_problem(mutate, message):
+    doc = json.loads((GOLDEN / "rfc_example_variant_b.json").read_text())
+    mutate(doc)
+    with pytest.raises(TopologyError, match=message) as info:
+        rfc.from_dict(doc, source="bad.json")
+    assert str(info.value).startswith("bad.json")
+
+
+def test_malformed_json_names_line():
+    with pytest.raises(TopologyError, match=r"bad\.json: line 1 column \d+: not valid JSON"):
+        api.parse_text('{"version": "0.1", "ranks": ', source="bad.json")
+
+
+def test_dense_and_compact_agree_on_every_pair():
+    hosts = [dgx_host("a"), pcie_host("b")]
+    t = build_topology(hosts, default_placement(hosts, [8, 4]))
+    dense = api.parse_text(api.dumps(t, "dense"))
+    comp = api.parse_text(api.dumps(t, "compact"))
+    for a in range(12):
+        for b in range(12):
+            assert dense.connection(a, b) == t.connection(a, b) == comp.connection(a, b)
+    assert [h.hostname for h in comp.hosts] == ["a", "b"] and comp.hosts[1] == t.hosts[1]
