@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Fresh machine to first result: install (torch pinned first), then discover this machine,
+# show a real 8-GPU NVSwitch node, and launch two local workers that read the topology
+# file topomesh builds during the torchrun rendezvous.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+out="${TOPOMESH_DEMO_DIR:-$(mktemp -d)}"
+echo "== topomesh discover (this machine)"
+python3 -m topomesh discover -o "$out/this-host.json"
+echo
+echo "== topomesh show: NCCL topology dump of an 8x A100 NVSwitch node"
+python3 -m topomesh show examples/data/nccl-topo/a100-sxm-8gpu-nvswitch-5nic.xml
+if python3 -c "import topomesh.launch.cli" 2>/dev/null; then
+  echo
+  echo "== topomesh launch --standalone --nproc-per-node 2: every worker reads WORLD_TOPOLOGY_FILE"
+  python3 -m topomesh launch --standalone --nproc-per-node 2 --log-dir "$out/logs" \
+    examples/print_topology.py
+fi
+echo
+echo "files written under $out"
