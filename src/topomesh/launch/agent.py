@@ -1,0 +1,261 @@
+"""torchrun's ``LocalElasticAgent`` that builds the world topology after every rendezvous.
+
+Two private hooks of torch's elastic agent are used (checked at import, see
+:func:`check_hooks`):
+
+* ``SimpleElasticAgent._rendezvous(worker_group)`` — after it returns, the worker group
+  knows its store (with c10d a ``PrefixStore`` scoped to the run id and round), its
+  ``group_rank``/``group_world_size`` and every worker's ``global_rank``. The agent
+  publishes its node entry, the leader assembles the world, every agent writes the file.
+* ``LocalElasticAgent._set_local_rank_env(worker_env, local_rank, spec)`` — called once
+  per worker with that worker's environment: ``WORLD_TOPOLOGY_FILE`` is set there.
+
+Restarts and membership changes both go through ``_rendezvous``, so the file is rebuilt
+for every round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from topomesh.errors import LaunchError
+from topomesh.launch import exchange, probe
+from topomesh.launch.files import run_directory, write_topology_file
+from topomesh.launch.local import discover_local_host, local_devices, visible_devices
+from topomesh.topology import api
+from topomesh.topology.build import build_topology
+from topomesh.topology.model import Host
+
+log = logging.getLogger("topomesh.launch")
+
+TESTED_TORCH = "2.13"
+
+
+def check_hooks() -> None:
+    """Fail with a clear sentence when the private torchrun hooks this agent needs are gone."""
+    import torch.distributed.launcher.api as launcher_api
+
+    problems = []
+    if not callable(getattr(SimpleElasticAgent, "_rendezvous", None)):
+        problems.append("SimpleElasticAgent._rendezvous")
+    hook = getattr(LocalElasticAgent, "_set_local_rank_env", None)
+    if not callable(hook):
+        problems.append("LocalElasticAgent._set_local_rank_env")
+    elif list(inspect.signature(hook).parameters)[:4] != ["self", "worker_env", "local_rank", "spec"]:
+        problems.append("LocalElasticAgent._set_local_rank_env(worker_env, local_rank, spec)")
+    if getattr(launcher_api, "LocalElasticAgent", None) is not LocalElasticAgent:
+        problems.append("torch.distributed.launcher.api.LocalElasticAgent")
+    if problems:
+        raise LaunchError(
+            f"torch {torch.__version__} lacks the torchrun internals topomesh launch hooks into "
+            f"({', '.join(problems)}); it was tested with torch {TESTED_TORCH}. "
+            "Use plain torchrun, or a torch version topomesh supports."
+        )
+
+
+check_hooks()
+
+
+class TopologyMode(StrEnum):
+    AUTO = "auto"  # discover every node, exchange, build
+    OFF = "off"  # plain torchrun
+    FILE = "file"  # a file someone gave, passed through
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopologyOptions:
+    """The ``--topology*`` options of ``topomesh launch``."""
+
+    mode: TopologyMode = TopologyMode.AUTO
+    path: str | None = None
+    """The given file when ``mode`` is ``FILE`` (absolute)."""
+    directory: str | None = None
+    """Base directory for written files; default ``$TMPDIR/topomesh-<uid>``."""
+    form: api.FileForm = api.FileForm.AUTO
+    probe: bool = False
+    probe_budget_s: float = 2.0
+    """Time box for measuring one peer node."""
+    timeout_s: float = 120.0
+    """How long to wait for peers' entries and the leader's world after a rendezvous."""
+
+    def __post_init__(self) -> None:
+        if (self.mode is TopologyMode.FILE) != (self.path is not None):
+            raise LaunchError("a topology file path is given exactly when the topology mode is 'file'")
+        if self.timeout_s <= 0 or self.probe_budget_s <= 0:
+            raise LaunchError(
+                f"topology timeouts must be positive, got {self.timeout_s} s and {self.probe_budget_s} s"
+            )
+
+
+class TopologyAgent(LocalElasticAgent):
+    """``LocalElasticAgent`` plus a topology file per rendezvous round."""
+
+    def __init__(self, *args: Any, topology: TopologyOptions, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._topology = topology
+        self._topology_file: str | None = None
+        self._host: Host | None = None
+        self._rounds = 0
+
+    @property
+    def topology_file(self) -> str | None:
+        """The file of the current round (what workers get as ``WORLD_TOPOLOGY_FILE``)."""
+        return self._topology_file
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._topology_file = None
+        if self._topology.mode is TopologyMode.OFF:
+            return
+        t0 = time.perf_counter()
+        path = self._round_file(worker_group)
+        self._rounds += 1
+        self._topology_file = str(path)
+        log.info("topomesh: %s for round %d (%.3f s)", path, self._rounds - 1, time.perf_counter() - t0)
+
+    def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
+        super()._set_local_rank_env(worker_env, local_rank, spec)
+        if self._topology_file is not None:
+            worker_env[api.ENV_VAR] = self._topology_file
+
+    # -- one round --------------------------------------------------------------------
+
+    def _round_file(self, wg: WorkerGroup) -> Path:
+        world_size = wg.workers[0].world_size if wg.workers else 0
+        if self._topology.mode is TopologyMode.FILE:
+            assert self._topology.path is not None
+            topo = api.read_source(self._topology.path)
+            if topo.world_size != world_size:
+                raise LaunchError(
+                    f"topology file {self._topology.path!r} describes {topo.world_size} ranks, "
+                    f"but this round has WORLD_SIZE={world_size}"
+                )
+            return Path(self._topology.path)
+        spec = wg.spec
+        run_id = spec.rdzv_handler.get_run_id()
+        if self._host is None:
+            self._host = discover_local_host()
+        host = self._host
+        devs = local_devices(host, spec.local_world_size, visible_devices())
+        slots = tuple(
+            exchange.WorkerSlot(global_rank=w.global_rank, local_rank=w.local_rank, device=devs[w.local_rank])
+            for w in wg.workers
+        )
+        # c10d/etcd stores are scoped to the round; the static store is not, so its keys
+        # carry this agent's round number (static worlds restart all nodes together).
+        ns = f"topomesh/{self._rounds}" if spec.rdzv_handler.get_backend() == "static" else "topomesh"
+        store = wg.store
+        entry_kw = dict(
+            group_rank=wg.group_rank,
+            host=host,
+            workers=slots,
+            restart_count=spec.max_restarts - self._remaining_restarts,
+        )
+        if self._topology.probe and wg.group_world_size > 1:
+            with contextlib.ExitStack() as stack:
+                addr = None
+                try:
+                    bind = probe.local_address_towards(wg.master_addr or "127.0.0.1")
+                    addr = stack.enter_context(probe.ProbeServer(bind)).address
+                except OSError as exc:
+                    log.warning("topomesh: cannot start the probe server (%s); peers will not measure this node", exc)
+                entry = exchange.NodeEntry(**entry_kw, probe_addr=addr)
+                store.set(exchange.node_key(ns, wg.group_rank), exchange.encode_node(entry))
+                self._probe_next(store, ns, wg)
+                world = self._leader_and_world(store, ns, wg, probing=True)
+        else:
+            entry = exchange.NodeEntry(**entry_kw)
+            store.set(exchange.node_key(ns, wg.group_rank), exchange.encode_node(entry))
+            world = self._leader_and_world(store, ns, wg, probing=False)
+        mine = sorted((r.rank, r.local_rank) for r in world.ranks if r.host == wg.group_rank)
+        if mine != sorted((w.global_rank, w.local_rank) for w in wg.workers):
+            raise LaunchError(f"the world document places other ranks on node {wg.group_rank} than torchrun did")
+        measured = probe.measured_overrides(world.hosts, world.ranks, world.measured)
+        topo = build_topology(
+            world.hosts,
+            world.ranks,
+            measured=measured,
+            run_id=run_id,
+            restart_count=world.restart_count,
+            source="rendezvous",
+        )
+        text = api.dumps(topo, self._topology.form)
+        return write_topology_file(run_directory(run_id, self._topology.directory), text, world.restart_count)
+
+    def _probe_next(self, store: Any, ns: str, wg: WorkerGroup) -> None:
+        """Measure node ``group_rank + 1`` (mod n) and publish the result (or the failure)."""
+        peer = (wg.group_rank + 1) % wg.group_world_size
+        result: dict[str, Any] = {"peer": peer}
+        try:
+            blob = exchange.wait_for(store, exchange.node_key(ns, peer), self._topology.timeout_s, what=f"node {peer}")
+            entry = exchange.decode_node(blob, group_rank=peer)
+            if entry.probe_addr is None:
+                raise LaunchError(f"node {peer} runs no probe server")
+            got = probe.measure(entry.probe_addr, budget_s=self._topology.probe_budget_s)
+            result.update(latency_us=got.latency_us, bandwidth_GBps=got.bandwidth_GBps)
+        except LaunchError as exc:
+            log.warning("topomesh: probe of node %d failed, keeping default link values: %s", peer, exc)
+        store.set(f"{ns}/probe/{wg.group_rank}", json.dumps(result))
+
+    def _leader_and_world(self, store: Any, ns: str, wg: WorkerGroup, *, probing: bool) -> exchange.World:
+        timeout_s = self._topology.timeout_s
+        if wg.group_rank == 0:
+            try:
+                entries = [
+                    exchange.decode_node(
+                        exchange.wait_for(store, exchange.node_key(ns, g), timeout_s, what=f"node {g}"),
+                        group_rank=g,
+                    )
+                    for g in range(wg.group_world_size)
+                ]
+                rows = self._gather_probes(store, ns, wg) if probing else []
+                doc = exchange.assemble_world(entries, rows)
+            except LaunchError as exc:
+                store.set(exchange.world_key(ns), exchange.error_document(str(exc)))
+                raise
+            store.set(exchange.world_key(ns), doc)
+        blob = exchange.wait_for(store, exchange.world_key(ns), timeout_s + (self._topology.probe_budget_s if probing else 0), what="node 0 (the leader)")
+        return exchange.decode_world(blob)
+
+    def _gather_probes(self, store: Any, ns: str, wg: WorkerGroup) -> list[list[Any]]:
+        """Node-pair rows ``[a, b, latency_us, bandwidth_GBps]`` from every node's probe."""
+        rows: dict[tuple[int, int], list[Any]] = {}
+        for g in range(wg.group_world_size):
+            raw = exchange.wait_for(
+                store, f"{ns}/probe/{g}", self._topology.timeout_s + self._topology.probe_budget_s, what=f"node {g}"
+            )
+            try:
+                res = json.loads(raw)
+                peer = int(res["peer"])
+                if "latency_us" not in res:
+                    continue
+                lat, bw = float(res["latency_us"]), float(res["bandwidth_GBps"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise LaunchError(f"node {g} published a malformed probe result ({exc})") from None
+            if not 0 <= peer < wg.group_world_size or peer == g or not (lat > 0 and bw > 0):
+                raise LaunchError(f"node {g} published an impossible probe result {res!r}")
+            key = (min(g, peer), max(g, peer))
+            rows.setdefault(key, [key[0], key[1], round(lat, 3), round(bw, 3)])
+        return [rows[k] for k in sorted(rows)]
+
+
+def agent_factory(options: TopologyOptions) -> Any:
+    """What ``torch.distributed.launcher.api`` calls in place of ``LocalElasticAgent``."""
+
+    def make(*args: Any, **kwargs: Any) -> TopologyAgent:
+        return TopologyAgent(*args, topology=options, **kwargs)
+
+    return make
+

@@ -1,0 +1,287 @@
+"""Exchange node descriptions through the rendezvous store and agree on one world.
+
+After a rendezvous round every agent publishes a :class:`NodeEntry` (its host as
+:meth:`Host.to_dict`, the global rank / local rank / device of each of its workers, its
+restart count and, with ``--topology-probe``, the address of its probe server) under
+``<ns>/node/<group_rank>``. The node with group rank 0 (the leader) gathers every entry,
+validates it (size limit, JSON, schema: an error names the node), folds hosts that look
+alike into one *class* and publishes one zlib-compressed :class:`World` document under
+``<ns>/world``. Every agent, the leader included, builds its file from that one document,
+which is why the files of one round are byte-identical on all nodes. Store traffic is
+O(nodes) at the leader, plus one compressed document per node.
+
+A leader that finds a bad entry publishes the error instead of a world, so every agent
+fails with the same sentence naming the bad node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+from topomesh.errors import LaunchError, TopologyError
+from topomesh.topology.model import Host, RankInfo
+
+NODE_FORMAT = "topomesh-node/1"
+WORLD_FORMAT = "topomesh-world/1"
+MAX_NODE_BYTES = 1 << 20
+"""Largest node entry accepted from a peer (1 MiB). A DGX H100 host with 8 GPUs, 12 NICs
+and every path between them is about 20 KB."""
+MAX_WORLD_BYTES = 256 << 20
+"""Largest world document, decompressed (256 MiB); 2,048 8-GPU nodes are a few MB."""
+
+
+class KeyValueStore(Protocol):
+    """The part of ``torch.distributed.Store`` the exchange uses."""
+
+    def set(self, key: str, value: bytes | str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSlot:
+    """One worker of a node as torchrun assigned it."""
+
+    global_rank: int
+    local_rank: int
+    device: str | None = None
+    """Device id on the node's host (``GPU3``, ``CPU0``), None when it has none."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeEntry:
+    """What one agent publishes after a rendezvous round."""
+
+    group_rank: int
+    host: Host
+    workers: tuple[WorkerSlot, ...]
+    restart_count: int = 0
+    """This agent's restart count (torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
+    probe_addr: str | None = None
+    """``host:port`` of this node's probe server, when probing."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class World:
+    """Everything a round's topology file is built from, identical on every node."""
+
+    hosts: tuple[Host, ...]
+    """One per node, in group-rank order."""
+    ranks: tuple[RankInfo, ...]
+    """Every worker in global-rank order (torchrun's assignment)."""
+    restart_count: int
+    """Largest restart count of any node: nodes that restart because a peer failed do
+    not count a restart themselves, so their own counts can differ."""
+    measured: Mapping[tuple[int, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """Probe results by node pair ``(a, b)``, ``a < b``: ``(latency_us, bandwidth_GBps)``
+    (see :mod:`topomesh.launch.probe`)."""
+
+
+def node_key(ns: str, group_rank: int) -> str:
+    return f"{ns}/node/{group_rank}"
+
+
+def world_key(ns: str) -> str:
+    return f"{ns}/world"
+
+
+def encode_node(entry: NodeEntry) -> bytes:
+    """The bytes an agent publishes; :func:`decode_node` is the inverse.
+
+    >>> from topomesh.topology.model import Host
+    >>> e = NodeEntry(group_rank=1, host=Host(hostname="n1"),
+    ...               workers=(WorkerSlot(global_rank=2, local_rank=0),))
+    >>> decode_node(encode_node(e), group_rank=1) == e
+    True
+    """
+    doc = {
+        "format": NODE_FORMAT,
+        "group_rank": entry.group_rank,
+        "host": entry.host.to_dict(),
+        "workers": [[w.global_rank, w.local_rank, w.device] for w in entry.workers],
+        "restart_count": entry.restart_count,
+        "probe_addr": entry.probe_addr,
+    }
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _node_error(group_rank: int, why: str) -> LaunchError:
+    return LaunchError(f"node {group_rank} published a topology entry that was rejected: {why}")
+
+
+def _int(value: Any, what: str, *, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def decode_node(blob: bytes, *, group_rank: int, max_bytes: int = MAX_NODE_BYTES) -> NodeEntry:
+    """Parse and validate the entry published by node ``group_rank``.
+
+    Raises :class:`LaunchError` naming the node when the entry is too large, not JSON,
+    of another format, or describes workers on devices its host does not have.
+    """
+    if len(blob) > max_bytes:
+        raise _node_error(group_rank, f"it is {len(blob)} bytes, more than the limit of {max_bytes}")
+    try:
+        doc = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _node_error(group_rank, f"not UTF-8 JSON ({exc})") from None
+    try:
+        if not isinstance(doc, dict):
+            raise ValueError("expected a JSON object")
+        if doc.get("format") != NODE_FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}, expected {NODE_FORMAT!r}")
+        if doc.get("group_rank") != group_rank:
+            raise ValueError(f"it claims group rank {doc.get('group_rank')!r}")
+        host = Host.from_dict(doc.get("host"), source=f"node {group_rank}")
+        raw_workers = doc.get("workers")
+        if not isinstance(raw_workers, list) or not raw_workers:
+            raise ValueError("workers must be a non-empty list")
+        workers = []
+        for w in raw_workers:
+            if not isinstance(w, list) or len(w) != 3:
+                raise ValueError(f"worker {w!r} is not [global_rank, local_rank, device]")
+            dev = w[2]
+            if dev is not None:
+                if not isinstance(dev, str):
+                    raise ValueError(f"device {dev!r} is not a string")
+                host.device(dev)
+            workers.append(
+                WorkerSlot(
+                    global_rank=_int(w[0], "global rank"), local_rank=_int(w[1], "local rank"), device=dev
+                )
+            )
+        probe = doc.get("probe_addr")
+        if probe is not None and not isinstance(probe, str):
+            raise ValueError(f"probe_addr {probe!r} is not a string")
+        return NodeEntry(
+            group_rank=group_rank,
+            host=host,
+            workers=tuple(workers),
+            restart_count=_int(doc.get("restart_count"), "restart_count"),
+            probe_addr=probe,
+        )
+    except TopologyError as exc:
+        raise _node_error(group_rank, exc.reason) from None
+    except (ValueError, TypeError) as exc:
+        raise _node_error(group_rank, str(exc)) from None
+
+
+def _host_class(host: Host) -> dict[str, Any]:
+    d = host.to_dict()
+    d.pop("hostname")
+    return d
+
+
+def assemble_world(entries: Sequence[NodeEntry], measured: Sequence[Sequence[Any]] = ()) -> bytes:
+    """The leader's world document: host classes, nodes, workers and probe results.
+
+    Checks what no single entry can: host names are unique and the global ranks are
+    exactly ``0..world_size-1``. ``measured`` rows are
+    ``[node_a, node_b, latency_us, bandwidth_GBps]`` with ``node_a < node_b``.
+    """
+    names: dict[str, int] = {}
+    for e in entries:
+        other = names.setdefault(e.host.hostname, e.group_rank)
+        if other != e.group_rank:
+            raise LaunchError(
+                f"nodes {other} and {e.group_rank} both report hostname {e.host.hostname!r}; "
+                "each node needs a distinct host name (set TOPOMESH_HOSTNAME or fix the discovery root)"
+            )
+    ranks = sorted(w.global_rank for e in entries for w in e.workers)
+    if ranks != list(range(len(ranks))):
+        raise LaunchError(f"the nodes' global ranks are {ranks[:16]}..., not 0..{len(ranks) - 1}")
+    classes: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    nodes = []
+    for e in entries:
+        cls = _host_class(e.host)
+        key = json.dumps(cls, sort_keys=True)
+        if key not in index:
+            index[key] = len(classes)
+            classes.append(cls)
+        nodes.append(
+            {
+                "hostname": e.host.hostname,
+                "class": index[key],
+                "workers": [[w.global_rank, w.local_rank, w.device] for w in e.workers],
+            }
+        )
+    doc = {
+        "format": WORLD_FORMAT,
+        "restart_count": max((e.restart_count for e in entries), default=0),
+        "classes": classes,
+        "nodes": nodes,
+        "measured": [list(m) for m in measured],
+    }
+    return zlib.compress(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode(), 6)
+
+
+def error_document(message: str) -> bytes:
+    """What the leader publishes instead of a world when an entry was rejected."""
+    return zlib.compress(json.dumps({"format": WORLD_FORMAT, "error": message}).encode())
+
+
+def decode_world(blob: bytes, *, max_bytes: int = MAX_WORLD_BYTES) -> World:
+    """Parse the leader's document; raises :class:`LaunchError` with the leader's error."""
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(blob, max_bytes)
+        if d.unconsumed_tail:
+            raise LaunchError(f"the world document from node 0 is larger than {max_bytes} bytes")
+        doc = json.loads(raw)
+    except (zlib.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LaunchError(f"the world document from node 0 is unreadable ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != WORLD_FORMAT:
+        raise LaunchError("the world document from node 0 has an unknown format")
+    if "error" in doc:
+        raise LaunchError(str(doc["error"]))
+    try:
+        classes = [Host.from_dict({**c, "hostname": "class"}, source="world") for c in doc["classes"]]
+        hosts: list[Host] = []
+        ranks: list[RankInfo | None] = []
+        for h, node in enumerate(doc["nodes"]):
+            base = classes[node["class"]]
+            hosts.append(dataclasses.replace(base, hostname=str(node["hostname"])))
+            for g, local, dev in node["workers"]:
+                ranks.extend([None] * (g + 1 - len(ranks)))
+                ranks[g] = RankInfo(rank=g, host=h, local_rank=local, device=dev)
+        if any(r is None for r in ranks):
+            raise ValueError("global ranks have gaps")
+        measured = {(int(a), int(b)): (float(lat), float(bw)) for a, b, lat, bw in doc["measured"]}
+        for a, b in measured:
+            if not 0 <= a < b < len(hosts):
+                raise ValueError(f"measured node pair ({a}, {b}) is not two nodes in order")
+        return World(
+            hosts=tuple(hosts),
+            ranks=tuple(r for r in ranks if r is not None),
+            restart_count=int(doc["restart_count"]),
+            measured=measured,
+        )
+    except (KeyError, TypeError, ValueError, IndexError, TopologyError) as exc:
+        raise LaunchError(f"the world document from node 0 is malformed ({exc})") from None
+
+
+def wait_for(store: KeyValueStore, key: str, timeout_s: float, *, what: str) -> bytes:
+    """``store.get(key)`` that gives up after ``timeout_s`` with a sentence naming ``what``."""
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except Exception as exc:  # the store raises DistStoreError / RuntimeError on timeout
+        raise LaunchError(
+            f"{what} did not publish its topology within {timeout_s:g} s ({type(exc).__name__}); "
+            "is every node running `topomesh launch` with the same topology options?"
+        ) from None
+    return store.get(key)
+
+
+def digest(text: str) -> str:
+    """Short content hash used in file names: equal files get equal names."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
