@@ -1,0 +1,429 @@
+"""Op costs: measured op profiles (SQLite, :mod:`topomesh.cost.opdb`) with a roofline fallback.
+
+:func:`profile_ops` times every distinct op signature of a trace for real on the current
+device — tensors built from each :class:`~topomesh.trace.graph.TensorMeta` with
+``torch.empty_strided``-equivalent strides, warm-up runs, then the median of several
+repeats (``perf_counter`` on CPU; CUDA events around each run, synchronized, on a GPU) —
+and stores the medians in the shared table. Pricing is pure: :func:`op_time_s` looks a
+record up in a table loaded once (:meth:`OpProfileDB.table`) and falls back to
+:func:`roofline_time_s`:
+
+    time = max(flops / (peak_flops[dtype] × eff_compute[class]),
+               bytes / (memory_bandwidth × eff_memory[class]))
+
+with efficiencies from ``data/op_efficiency.json`` (all 1.0: a pure roofline, see there).
+
+>>> from topomesh.trace.graph import OpRecord, TensorMeta
+>>> from topomesh.cost.devices import device_spec
+>>> a = TensorMeta(shape=(4096, 4096), dtype="bfloat16", stride=(4096, 1))
+>>> mm = OpRecord(op="aten.mm.default", inputs=(a, a), outputs=(a,), flops=2 * 4096**3,
+...               bytes_moved=3 * 4096 * 4096 * 2)
+>>> round(roofline_time_s(mm, device_spec("H100-SXM5-80GB")) * 1e6, 1)  # us, compute-bound
+138.9
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from topomesh.cost.devices import DeviceSpec
+from topomesh.cost.opdb import Key, OpProfileDB, OpTiming
+from topomesh.trace.graph import OpRecord, TensorMeta
+
+# Ops that move no data worth timing on their own (views, metadata) or are not compute.
+_SKIP_PREFIXES = ("_c10d_functional.", "c10d.", "_c10d_functional_autograd.", "_dtensor.")
+
+
+class OpClass(StrEnum):
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    CONVOLUTION = "convolution"
+    REDUCTION = "reduction"
+    ELEMENTWISE = "elementwise"
+    OTHER = "other"
+
+
+_MATMUL = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addbmm", "_scaled_mm", "dot", "mv")
+_REDUCTION = ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "softmax", "_softmax",
+              "log_softmax", "_log_softmax", "cumsum", "argmax", "argmin", "prod", "logsumexp")
+
+
+def op_class(op: str) -> OpClass:
+    """The roofline class of an ATen op name.
+
+    >>> op_class("aten.addmm.default"), op_class("aten._scaled_dot_product_flash_attention.default")
+    (<OpClass.MATMUL: 'matmul'>, <OpClass.ATTENTION: 'attention'>)
+    >>> op_class("aten.mul.Tensor"), op_class("aten._softmax.default")
+    (<OpClass.ELEMENTWISE: 'elementwise'>, <OpClass.REDUCTION: 'reduction'>)
+    """
+    parts = op.split(".")
+    name = parts[1] if len(parts) >= 2 else op
+    if "attention" in name:
+        return OpClass.ATTENTION
+    if name.startswith("convolution") or name.startswith("conv"):
+        return OpClass.CONVOLUTION
+    if name in _MATMUL:
+        return OpClass.MATMUL
+    base = name.removesuffix("_backward").removesuffix("_data")
+    if base in _REDUCTION:
+        return OpClass.REDUCTION
+    if parts[0] == "aten":
+        return OpClass.ELEMENTWISE
+    return OpClass.OTHER
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Efficiency:
+    """Fraction of peak compute and memory bandwidth each op class reaches (roofline only)."""
+
+    compute: Mapping[OpClass, float]
+    memory: Mapping[OpClass, float]
+
+
+@cache
+def default_efficiency() -> Efficiency:
+    raw = json.loads(resources.files("topomesh.cost").joinpath("data/op_efficiency.json").read_text())
+    return Efficiency(
+        compute={OpClass(k): float(v) for k, v in raw["compute"].items()},
+        memory={OpClass(k): float(v) for k, v in raw["memory"].items()},
+    )
+
+
+def _canon(obj: Any) -> Any:
+    if isinstance(obj, (tuple, list)):
+        return [_canon(o) for o in obj]
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(_canon(obj), separators=(",", ":"))
+
+
+def profile_key(record: OpRecord) -> Key:
+    """(op, shapes, dtypes, strides, args) as canonical JSON strings: the table's key.
+
+    >>> t = TensorMeta(shape=(2, 3), dtype="float32", stride=(3, 1))
+    >>> profile_key(OpRecord(op="aten.mm.default", inputs=(t, t), outputs=()))
+    ('aten.mm.default', '[[2,3],[2,3]]', '["float32","float32"]', '[[3,1],[3,1]]', '[]')
+    """
+    return (
+        record.op,
+        _dumps([t.shape for t in record.inputs]),
+        _dumps([t.dtype for t in record.inputs]),
+        _dumps([t.stride for t in record.inputs]),
+        _dumps(record.args),
+    )
+
+
+def op_dtype(record: OpRecord) -> str:
+    """The dtype an op computes in: its first floating input (or output), else float32."""
+    for t in (*record.inputs, *record.outputs):
+        if t.dtype.startswith(("float", "bfloat", "complex")):
+            return t.dtype
+    return "float32"
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def record_bytes(record: OpRecord) -> int:
+    """Bytes the op moves: ``bytes_moved`` when the tracer set it, else inputs + outputs."""
+    if record.bytes_moved:
+        return record.bytes_moved
+    return sum(t.numel * _itemsize(t.dtype) for t in (*record.inputs, *record.outputs))
+
+
+def roofline_time_s(
+    record: OpRecord, spec: DeviceSpec, efficiency: Efficiency | None = None, *, tf32: bool = False
+) -> float:
+    """Roofline time of one op on ``spec``: the larger of compute and memory time, seconds."""
+    eff = efficiency or default_efficiency()
+    cls = op_class(record.op)
+    compute_s = record.flops / (spec.peak_flops_per_s(op_dtype(record), tf32=tf32) * eff.compute[cls])
+    memory_s = record_bytes(record) / (spec.memory_bandwidth_GBps * 1e9 * eff.memory[cls])
+    return max(compute_s, memory_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpCost:
+    seconds: float
+    measured: bool
+    """True when the time comes from the profile table, False for the roofline."""
+
+
+def op_time_s(record: OpRecord, spec: DeviceSpec, table: Mapping[Key, float],
+              efficiency: Efficiency | None = None) -> OpCost:
+    """Measured median from ``table`` when present, else the roofline (pure)."""
+    hit = table.get(profile_key(record))
+    if hit is not None:
+        return OpCost(seconds=hit, measured=True)
+    return OpCost(seconds=roofline_time_s(record, spec, efficiency), measured=False)
+
+
+# ---------------------------------------------------------------- real timing
+
+
+def resolve_op(name: str) -> Any:
+    """``aten.mm.default`` → ``torch.ops.aten.mm.default``; raises LookupError if absent."""
+    import torch
+
+    parts = name.split(".")
+    if len(parts) == 2:
+        parts.append("default")
+    if len(parts) != 3:
+        raise LookupError(f"op name {name!r} is not namespace.name.overload")
+    try:
+        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError) as exc:
+        raise LookupError(f"no op {name!r} in torch.ops ({exc})") from None
+
+
+def make_tensor(meta: TensorMeta, device: str) -> Any:
+    """A real tensor with ``meta``'s shape, dtype and strides (values random, or 0 for ints)."""
+    import torch
+
+    dtype = getattr(torch, meta.dtype)
+    numel = 0 if 0 in meta.shape else 1 + sum((s - 1) * abs(st) for s, st in zip(meta.shape, meta.stride, strict=True))
+    if dtype.is_floating_point or dtype.is_complex:
+        flat = torch.randn(numel, device=device, dtype=torch.float32).to(dtype)
+    else:
+        flat = torch.zeros(numel, device=device, dtype=dtype)  # valid indices for gather/embedding
+    return torch.as_strided(flat, meta.shape, meta.stride)
+
+
+def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Positional arguments in schema order: tensors where the schema takes tensors, ``args`` elsewhere."""
+    out: list[Any] = []
+    tensors, args = list(tensors), list(args)
+    for arg in op._schema.arguments:
+        if arg.kwarg_only:
+            break
+        typ = str(arg.type)
+        if typ.startswith("Tensor[]") or typ.startswith("List[Tensor]"):
+            out.append(tensors)
+            tensors = []
+        elif typ.startswith("Tensor") and tensors:
+            out.append(tensors.pop(0))
+        elif args:
+            out.append(args.pop(0))
+        elif typ.startswith("Optional[Tensor]") or typ == "Tensor?":
+            out.append(None)
+        else:
+            break
+    if tensors:
+        raise TypeError(f"{len(tensors)} input tensors left over after filling the schema {op._schema}")
+    return out
+
+
+def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repeats: int = 5,
+            max_repeats: int = 50, budget_s: float = 0.2) -> OpTiming:
+    """Run ``record``'s op for real and return its median time.
+
+    CPU: ``perf_counter`` around each call. CUDA: a pair of ``torch.cuda.Event`` s around
+    each call on the current stream, read after ``torch.cuda.synchronize``. Repeats stop
+    at ``max_repeats`` or once ``min_repeats`` ran and ``budget_s`` is spent.
+    Raises any error the op raises (the caller records it as unprofilable).
+    """
+    import torch
+
+    op = resolve_op(record.op)
+    inputs = [make_tensor(t, device) for t in record.inputs]
+    call_args = _call_arguments(op, inputs, record.args)
+
+    def run() -> None:
+        op(*call_args)
+
+    with torch.no_grad():
+        if device.startswith("cuda"):
+            for _ in range(warmup):
+                run()
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize(device)
+            est = max(time.perf_counter() - t0, 1e-6)
+            reps = int(min(max_repeats, max(min_repeats, budget_s / est)))
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            for start, end in events:
+                start.record()
+                run()
+                end.record()
+            torch.cuda.synchronize(device)
+            times = [start.elapsed_time(end) / 1e3 for start, end in events]
+            method = f"cuda events, torch {torch.__version__}"
+        else:
+            for _ in range(warmup):
+                run()
+            times = []
+            begin = time.perf_counter()
+            while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - begin < budget_s):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            method = f"cpu perf_counter, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return OpTiming(key=profile_key(record), median_s=statistics.median(times), repeats=len(times),
+                    warmup=warmup, method=method)
+
+
+def profilable(record: OpRecord) -> bool:
+    """False for collectives and non-ATen bookkeeping ops, which are priced elsewhere or not at all."""
+    return not record.op.startswith(_SKIP_PREFIXES)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileRun:
+    """What one :func:`profile_ops` call did."""
+
+    device: str
+    distinct: int
+    """Distinct profilable signatures in the records."""
+    cached: int
+    """Signatures already in the table (not timed again)."""
+    profiled: int
+    """Signatures timed now."""
+    failed: Mapping[str, str] = field(default_factory=dict)
+    """Op name → reason, for signatures that could not be run (priced by the roofline)."""
+    seconds: float = 0.0
+
+
+def profile_ops(records: Iterable[OpRecord], db: OpProfileDB, *, device: str = "cpu", fingerprint: str,
+                progress: Callable[[int, int, str], None] | None = None, **timing: Any) -> ProfileRun:
+    """Time every distinct signature of ``records`` not yet in ``db`` for ``fingerprint``.
+
+    ``progress(done, total, op)`` is called after each signature. Failures are stored too,
+    so a later run does not retry them.
+    """
+    start = time.perf_counter()
+    unique: dict[Key, OpRecord] = {}
+    for r in records:
+        if profilable(r):
+            unique.setdefault(profile_key(r), r)
+    known = set(db.table(fingerprint)) | set(db.failures(fingerprint))
+    todo = [(k, r) for k, r in unique.items() if k not in known]
+    failed: dict[str, str] = {}
+    profiled = 0
+    for i, (key, rec) in enumerate(todo):
+        try:
+            timing_ = time_op(rec, device, **timing)
+        except Exception as exc:  # any op error means "cannot profile here"; priced by roofline
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            db.put_failure(fingerprint, key, reason)
+            failed[rec.op] = reason
+        else:
+            profiled += db.put(fingerprint, [timing_])
+        if progress:
+            progress(i + 1, len(todo), rec.op)
+    return ProfileRun(device=device, distinct=len(unique), cached=len(unique) - len(todo), profiled=profiled,
+                      failed=failed, seconds=time.perf_counter() - start)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnknownOp:
+    """Ops with no measured time, priced by the roofline."""
+
+    op: str
+    count: int
+    roofline_s: float
+    """Total roofline seconds of all ``count`` occurrences."""
+    reason: str = "not profiled"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostSummary:
+    ops: int
+    measured_s: float
+    roofline_s: float
+    unknown: tuple[UnknownOp, ...]
+
+    @property
+    def total_s(self) -> float:
+        return self.measured_s + self.roofline_s
+
+
+def cost_summary(records: Iterable[OpRecord], spec: DeviceSpec, table: Mapping[Key, float],
+                 failures: Mapping[Key, str] | None = None) -> CostSummary:
+    """Total op time of ``records``, split into measured and roofline, with unknown ops listed."""
+    measured = roofline = 0.0
+    counts: Counter[str] = Counter()
+    per_op_s: dict[str, float] = {}
+    reasons: dict[str, str] = {}
+    n = 0
+    for r in records:
+        if not profilable(r):
+            continue
+        n += 1
+        cost = op_time_s(r, spec, table)
+        if cost.measured:
+            measured += cost.seconds
+        else:
+            roofline += cost.seconds
+            counts[r.op] += 1
+            per_op_s[r.op] = per_op_s.get(r.op, 0.0) + cost.seconds
+            if failures and (why := failures.get(profile_key(r))):
+                reasons[r.op] = why
+    unknown = tuple(
+        UnknownOp(op=op, count=c, roofline_s=per_op_s[op], reason=reasons.get(op, "not profiled"))
+        for op, c in counts.most_common()
+    )
+    return CostSummary(ops=n, measured_s=measured, roofline_s=roofline, unknown=unknown)
+
+
+# ------------------------------------------------------------ JSON records
+
+
+def records_from_json(data: Any) -> list[OpRecord]:
+    """Op records from the JSON form :func:`records_to_json` writes (a list of objects)."""
+    from topomesh.errors import TraceError
+    from topomesh.trace.graph import Phase
+
+    if isinstance(data, dict):
+        data = data.get("ops", data.get("records"))
+    if not isinstance(data, list):
+        raise TraceError("op records JSON must be a list of records (or an object with an 'ops' list)")
+
+    def meta(t: Any) -> TensorMeta:
+        return TensorMeta(shape=tuple(t["shape"]), dtype=str(t["dtype"]), stride=tuple(t["stride"]))
+
+    def tup(a: Any) -> Any:
+        return tuple(tup(x) for x in a) if isinstance(a, list) else a
+
+    out = []
+    for i, r in enumerate(data):
+        try:
+            out.append(OpRecord(
+                op=str(r["op"]),
+                inputs=tuple(meta(t) for t in r.get("inputs", ())),
+                outputs=tuple(meta(t) for t in r.get("outputs", ())),
+                flops=int(r.get("flops", 0)),
+                bytes_moved=int(r.get("bytes_moved", 0)),
+                phase=Phase(r.get("phase", "forward")),
+                args=tup(r.get("args", [])),
+            ))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(f"op record {i} is malformed ({exc!r})") from None
+    return out
+
+
+def records_to_json(records: Iterable[OpRecord]) -> list[dict[str, Any]]:
+    def meta(t: TensorMeta) -> dict[str, Any]:
+        return {"shape": list(t.shape), "dtype": t.dtype, "stride": list(t.stride)}
+
+    return [
+        {"op": r.op, "inputs": [meta(t) for t in r.inputs], "outputs": [meta(t) for t in r.outputs],
+         "flops": r.flops, "bytes_moved": r.bytes_moved, "phase": r.phase.value, "args": _canon(r.args)}
+        for r in records
+    ]
