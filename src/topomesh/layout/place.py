@@ -1,0 +1,244 @@
+"""Topology-aware placement: which physical rank holds each logical grid position.
+
+The logical grid (:mod:`topomesh.layout.ranks`) puts the fastest-varying axis of the
+layout's order in blocks of consecutive logical ranks, the next axis in blocks of the
+product of the first two, and so on. Placement therefore only has to list the physical
+ranks so that *consecutive ranks are as close as possible*: hosts one after another,
+inside a host its PCIe/NUMA domains, inside those its NVLink islands. Then logical rank
+``i`` goes to the ``i``-th rank of that list.
+
+With torchrun's host-contiguous numbering on uniform hosts this is the identity. When
+the numbering is not host-contiguous (``--rdzv`` round-robin, a scheduler's own rank
+file, a rank map from a previous job), the naive identity mapping puts TP groups across
+hosts; the locality order does not::
+
+    2 hosts × 8 GPUs, rank r on host r % 2:   naive tp=8 group [0..7]  → 4 + 4 GPUs, IB
+                                              placed tp=8 group [0, 2, 4, …, 14] → NVSwitch
+
+Every rank computes the same mapping from the same topology file: the order depends only
+on the topology (domains sorted by their smallest rank, then local rank, then rank).
+
+:func:`axis_report` says, per axis, the slowest link kind between two members of any of
+its groups, the bottleneck bandwidth, and a sentence when the axis cannot fit where it
+should (``tp=16 cannot fit in 8-GPU NVLink islands: crosses IB``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from topomesh.errors import LayoutError
+from topomesh.layout.dims import Axis, Layout
+from topomesh.layout.ranks import axis_groups, logical_mesh, rank_to_coords
+from topomesh.topology.model import LinkKind, Topology
+
+# Domain levels from coarse to fine; each level's domains nest inside the previous one's
+# (Topology.domains(kind) joins ranks over links at least as fast as kind).
+_LEVELS: tuple[LinkKind, ...] = (
+    LinkKind.IB,
+    LinkKind.SYS,  # a whole host (every same-host kind is at least this fast)
+    LinkKind.NODE,
+    LinkKind.PHB,
+    LinkKind.PXB,
+    LinkKind.PIX,
+    LinkKind.NVLINK,
+)
+
+_MODEL_AXES = (Axis.TP, Axis.CP, Axis.EP)
+"""Axes that communicate inside every layer and belong on NVLink when there is some."""
+
+_EXACT_PAIRS_MAX = 64
+"""Groups up to this size are checked pair by pair; larger ones through representatives."""
+
+
+class Strategy(StrEnum):
+    TOPOLOGY = "topology"  # the locality order described above
+    RANK_ORDER = "rank-order"  # logical rank i on physical rank i (what a plain script does)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """A layout laid onto physical ranks: ``ranks[logical] = physical``."""
+
+    layout: Layout
+    ranks: tuple[int, ...]
+    strategy: Strategy
+
+    def __post_init__(self) -> None:
+        if sorted(self.ranks) != list(range(self.layout.world_size)):
+            raise LayoutError(
+                f"a placement must use each of the {self.layout.world_size} ranks once, got {list(self.ranks)}"
+            )
+
+    def mesh(self) -> np.ndarray:
+        """Physical ranks shaped ``layout.mesh_shape`` (dims ``layout.mesh_axes``)."""
+        return np.asarray(self.ranks, dtype=np.int64)[logical_mesh(self.layout)]
+
+    def groups(self, axes: Axis | str | Iterable[Axis | str]) -> list[list[int]]:
+        """Physical rank groups of one axis or several axes together (logical order)."""
+        return [[self.ranks[i] for i in g] for g in axis_groups(self.layout, axes)]
+
+    def logical_rank(self, rank: int) -> int:
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise LayoutError(f"rank {rank} is not in this placement of {len(self.ranks)} ranks") from None
+
+    def coords(self, rank: int) -> dict[Axis, int]:
+        """Grid coordinates of physical ``rank``."""
+        return rank_to_coords(self.logical_rank(rank), self.layout)
+
+
+def locality_order(topo: Topology) -> list[int]:
+    """Physical ranks with close ranks next to each other (see the module docstring).
+
+    The key of a rank is its domain at every level from the inter-host fabric down to its
+    NVLink island (domains numbered by their smallest rank), then its local rank and rank.
+    """
+    keys: list[list[int]] = [[] for _ in range(topo.world_size)]
+    for level in _LEVELS:
+        for index, dom in enumerate(topo.domains(level)):
+            for r in dom:
+                keys[r].append(index)
+    for r, info in enumerate(topo.ranks):
+        keys[r].extend((info.local_rank, r))
+    return sorted(range(topo.world_size), key=lambda r: keys[r])
+
+
+def place(topo: Topology, layout: Layout, strategy: Strategy | str = Strategy.TOPOLOGY) -> Placement:
+    """Map ``layout``'s logical ranks to ``topo``'s physical ranks.
+
+    Raises :class:`LayoutError` when the degrees do not multiply to the world size.
+    """
+    strategy = Strategy(strategy)
+    layout.check_world(topo.world_size)
+    if strategy is Strategy.RANK_ORDER:
+        return Placement(layout=layout, ranks=tuple(range(topo.world_size)), strategy=strategy)
+    return Placement(layout=layout, ranks=tuple(locality_order(topo)), strategy=strategy)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AxisReport:
+    """What the groups of one axis cross."""
+
+    axis: Axis
+    degree: int
+    num_groups: int
+    kind: LinkKind
+    """Slowest link kind between two members of any group (``LOC`` for degree 1)."""
+    bottleneck_GBps: float
+    """Lowest bandwidth between two members of any group, GB/s."""
+    latency_us: float
+    """Highest latency between two members of any group, microseconds."""
+    hosts_per_group: int
+    """Most hosts one group spans."""
+    note: str | None = None
+    """A sentence when the axis cannot fit where it belongs, or does not although it could."""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "axis": self.axis.value,
+            "degree": self.degree,
+            "num_groups": self.num_groups,
+            "link": self.kind.value,
+            "bottleneck_GBps": self.bottleneck_GBps,
+            "latency_us": self.latency_us,
+            "hosts_per_group": self.hosts_per_group,
+            "note": self.note,
+        }
+
+
+def _representatives(topo: Topology, members: Sequence[int]) -> list[int]:
+    """Members whose pairs show every link kind of a large group.
+
+    Ranks on different hosts connect through their rails only, so one member per rail
+    outside the first two hosts is enough; the first two hosts are kept whole for the
+    same-host pairs and one pair of hosts.
+    """
+    if len(members) <= _EXACT_PAIRS_MAX:
+        return list(members)
+    hosts: list[int] = []
+    out: list[int] = []
+    rails: set[int] = set()
+    for r in members:
+        h = topo.ranks[r].host
+        if h not in hosts:
+            hosts.append(h)
+        rail = int(topo.table.rail_of[r])
+        if hosts.index(h) < 2 or rail not in rails:
+            out.append(r)
+        rails.add(rail)
+    return out
+
+
+def _group_links(topo: Topology, members: Sequence[int]) -> tuple[LinkKind, float, float]:
+    reps = _representatives(topo, members)
+    worst = LinkKind.LOC
+    bw = float("inf")
+    lat = 0.0
+    for i, a in enumerate(reps):
+        for b in reps[i + 1 :]:
+            c = topo.connection(a, b)
+            if c.kind.tier > worst.tier:
+                worst = c.kind
+            bw = min(bw, c.bandwidth_GBps)
+            lat = max(lat, c.latency_us)
+    return worst, (0.0 if bw == float("inf") else bw), lat
+
+
+def axis_report(topo: Topology, placement: Placement) -> list[AxisReport]:
+    """One :class:`AxisReport` per mesh axis of the placement's layout (slowest first)."""
+    layout = placement.layout
+    islands = topo.domains(LinkKind.NVLINK)
+    island_max = max(len(d) for d in islands)
+    out: list[AxisReport] = []
+    for axis in layout.mesh_axes:
+        groups = placement.groups(axis)
+        worst, bw, lat, span = LinkKind.LOC, float("inf"), 0.0, 1
+        for g in groups:
+            k, b, lt = _group_links(topo, g)
+            if k.tier > worst.tier:
+                worst = k
+            bw, lat = min(bw, b), max(lat, lt)
+            span = max(span, len({topo.ranks[r].host for r in g}))
+        degree = layout.degree(axis)
+        out.append(
+            AxisReport(
+                axis=axis,
+                degree=degree,
+                num_groups=len(groups),
+                kind=worst,
+                bottleneck_GBps=0.0 if degree == 1 else bw,
+                latency_us=lat,
+                hosts_per_group=span,
+                note=_note(axis, degree, worst, island_max, placement),
+            )
+        )
+    return out
+
+
+def _note(axis: Axis, degree: int, worst: LinkKind, island_max: int, placement: Placement) -> str | None:
+    if axis not in _MODEL_AXES or degree == 1 or island_max <= 1 or worst.is_nvlink:
+        return None
+    layout = placement.layout
+    if degree > island_max:
+        return f"{axis.value}={degree} cannot fit in {island_max}-GPU NVLink islands: crosses {worst.value}"
+    if placement.strategy is Strategy.RANK_ORDER:
+        return (
+            f"{axis.value}={degree} fits in {island_max}-GPU NVLink islands, but in rank order its "
+            f"groups cross {worst.value}; the topology placement keeps them inside"
+        )
+    inner = [a.value for a in layout.order[: layout.order.index(axis)] if layout.degree(a) > 1]
+    span = degree
+    for a in inner:
+        span *= layout.degree(a)
+    if span > island_max and inner:
+        return (
+            f"{axis.value}={degree} would fit in an NVLink island, but {'×'.join(inner)} {'vary' if len(inner) > 1 else 'varies'} faster "
+            f"in the order ({layout.order_text()}), so its groups cross {worst.value}"
+        )
+    return f"{axis.value}={degree} does not fit the NVLink islands of this topology evenly: crosses {worst.value}"
