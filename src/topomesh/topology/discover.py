@@ -277,8 +277,11 @@ class _FoundNic:
 
 
 def _device_bus_id(link: str) -> str | None:
-    """PCI bus id of the function behind a ``device`` symlink (the nearest PCI ancestor)."""
-    if not os.path.lexists(link):
+    """PCI bus id of the function behind a ``device`` symlink (the nearest PCI ancestor).
+
+    None when the link dangles: a removed device's old place in the tree is not evidence.
+    """
+    if not os.path.exists(link):
         return None
     bdfs = _bdfs_in(_realpath(link))
     return normalize_bus_id(bdfs[-1]) if bdfs else None
@@ -296,19 +299,19 @@ def read_ib_nics(root: str | os.PathLike[str]) -> list[_FoundNic]:
         ports = os.path.join(dev, "ports")
         rates: list[float] = []
         active: list[float] = []
-        states = 0
+        states = actives = 0
         for port in _listdir(ports):
             rate = ib_rate_Gbps(_read(os.path.join(ports, port, "rate")))
             state = _read(os.path.join(ports, port, "state"))
             if state is not None:
                 states += 1
-                if "ACTIVE" in state.upper() and rate:
-                    active.append(rate)
-            if rate:
-                rates.append(rate)
-        if states and not active:
+                if "ACTIVE" in state.upper():
+                    actives += 1
+                    active += [rate] if rate else []
+            rates += [rate] if rate else []
+        if states and not actives:
             continue  # every port is down: not a usable rail
-        speeds = active or rates
+        speeds = active if actives else rates
         out.append(
             _FoundNic(
                 name=name,
