@@ -1,0 +1,62 @@
+"""``topomesh discover``: describe this machine (or a sysfs tree) as a topology.
+
+One rank per GPU (or per NUMA node on a CPU-only host) unless ``--nproc`` says otherwise,
+placed as torchrun would (:func:`topomesh.topology.build.single_host_topology`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from topomesh.cli.show import add_output_arguments, emit
+from topomesh.errors import TopologyError
+from topomesh.topology import api
+from topomesh.topology.build import single_host_topology
+from topomesh.topology.discover import ENV_SYSFS_ROOT, discover_host
+
+HELP = "Discover this machine's GPUs, NICs and links; print them or write a v0.1 topology file."
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 process, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the topology file to FILE (atomically)")
+    parser.add_argument(
+        "--sysfs-root",
+        metavar="DIR",
+        help=f"read sysfs from DIR instead of / (default: ${ENV_SYSFS_ROOT}, else /)",
+    )
+    parser.add_argument(
+        "--nproc", type=_positive, metavar="N", help="ranks on this host (default: one per GPU, else per NUMA node)"
+    )
+    parser.add_argument(
+        "--form",
+        choices=[f.value for f in api.FileForm],
+        default=api.FileForm.AUTO.value,
+        help="file form for -o and --json: dense v0.1, compact, or auto by world size (default)",
+    )
+    add_output_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    host = discover_host(args.sysfs_root)
+    topo = single_host_topology(host, args.nproc, source="discover")
+    if args.output:
+        try:
+            api.save_topology(topo, args.output, args.form)
+        except OSError as exc:
+            # api.write_atomic lets OSError through; a bad -o path is a user error
+            raise TopologyError(f"cannot write the topology file ({exc.strerror or exc})", source=args.output) from None
+    emit(topo, args, args.form)
+    if args.output and not args.json:
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
