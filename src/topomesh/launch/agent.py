@@ -207,48 +207,15 @@ class TopologyAgent(LocalElasticAgent):
             result.update(latency_us=got.latency_us, bandwidth_GBps=got.bandwidth_GBps)
         except LaunchError as exc:
             log.warning("topomesh: probe of node %d failed, keeping default link values: %s", peer, exc)
-        store.set(f"{ns}/probe/{wg.group_rank}", json.dumps(result))
+        store.set(exchange.probe_key(ns, wg.group_rank), json.dumps(result))
 
     def _leader_and_world(self, store: Any, ns: str, wg: WorkerGroup, *, probing: bool) -> exchange.World:
-        timeout_s = self._topology.timeout_s
+        opts = self._topology
         if wg.group_rank == 0:
-            try:
-                entries = [
-                    exchange.decode_node(
-                        exchange.wait_for(store, exchange.node_key(ns, g), timeout_s, what=f"node {g}"),
-                        group_rank=g,
-                    )
-                    for g in range(wg.group_world_size)
-                ]
-                rows = self._gather_probes(store, ns, wg) if probing else []
-                doc = exchange.assemble_world(entries, rows)
-            except LaunchError as exc:
-                store.set(exchange.world_key(ns), exchange.error_document(str(exc)))
-                raise
-            store.set(exchange.world_key(ns), doc)
-        blob = exchange.wait_for(store, exchange.world_key(ns), timeout_s + (self._topology.probe_budget_s if probing else 0), what="node 0 (the leader)")
-        return exchange.decode_world(blob)
-
-    def _gather_probes(self, store: Any, ns: str, wg: WorkerGroup) -> list[list[Any]]:
-        """Node-pair rows ``[a, b, latency_us, bandwidth_GBps]`` from every node's probe."""
-        rows: dict[tuple[int, int], list[Any]] = {}
-        for g in range(wg.group_world_size):
-            raw = exchange.wait_for(
-                store, f"{ns}/probe/{g}", self._topology.timeout_s + self._topology.probe_budget_s, what=f"node {g}"
+            exchange.lead(
+                store, ns, wg.group_world_size, opts.timeout_s, probe_timeout_s=opts.timeout_s + opts.probe_budget_s if probing else None
             )
-            try:
-                res = json.loads(raw)
-                peer = int(res["peer"])
-                if "latency_us" not in res:
-                    continue
-                lat, bw = float(res["latency_us"]), float(res["bandwidth_GBps"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise LaunchError(f"node {g} published a malformed probe result ({exc})") from None
-            if not 0 <= peer < wg.group_world_size or peer == g or not (lat > 0 and bw > 0):
-                raise LaunchError(f"node {g} published an impossible probe result {res!r}")
-            key = (min(g, peer), max(g, peer))
-            rows.setdefault(key, [key[0], key[1], round(lat, 3), round(bw, 3)])
-        return [rows[k] for k in sorted(rows)]
+        return exchange.fetch_world(store, ns, opts.timeout_s + (opts.probe_budget_s if probing else 0))
 
 
 def agent_factory(options: TopologyOptions) -> Any:

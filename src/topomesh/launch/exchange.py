@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from topomesh.topology.model import Host, RankInfo
 
 NODE_FORMAT = "topomesh-node/1"
 WORLD_FORMAT = "topomesh-world/1"
+log = logging.getLogger("topomesh.launch")
+
 MAX_NODE_BYTES = 1 << 20
 """Largest node entry accepted from a peer (1 MiB). A DGX H100 host with 8 GPUs, 12 NICs
 and every path between them is about 20 KB."""
@@ -184,25 +187,29 @@ def _host_class(host: Host) -> dict[str, Any]:
 def assemble_world(entries: Sequence[NodeEntry], measured: Sequence[Sequence[Any]] = ()) -> bytes:
     """The leader's world document: host classes, nodes, workers and probe results.
 
-    Checks what no single entry can: host names are unique and the global ranks are
-    exactly ``0..world_size-1``. ``measured`` rows are
+    Checks what no single entry can: the global ranks are exactly ``0..world_size-1``.
+    A host name reported by several nodes gets ``~<group_rank>`` appended after its first
+    use, so each node is its own host. ``measured`` rows are
     ``[node_a, node_b, latency_us, bandwidth_GBps]`` with ``node_a < node_b``.
     """
-    names: dict[str, int] = {}
+    seen: set[str] = set()
+    hostnames = []
     for e in entries:
-        other = names.setdefault(e.host.hostname, e.group_rank)
-        if other != e.group_rank:
-            raise LaunchError(
-                f"nodes {other} and {e.group_rank} both report hostname {e.host.hostname!r}; "
-                "each node needs a distinct host name (set TOPOMESH_HOSTNAME or fix the discovery root)"
-            )
+        name = e.host.hostname
+        if name in seen:
+            # several agents on one host (tests, or one agent per socket): torchrun treats
+            # them as separate nodes, so they are separate hosts here, told apart by rank
+            name = f"{name}~{e.group_rank}"
+            log.warning("topomesh: node %d reports a host name already taken; calling it %r", e.group_rank, name)
+        seen.add(name)
+        hostnames.append(name)
     ranks = sorted(w.global_rank for e in entries for w in e.workers)
     if ranks != list(range(len(ranks))):
         raise LaunchError(f"the nodes' global ranks are {ranks[:16]}..., not 0..{len(ranks) - 1}")
     classes: list[dict[str, Any]] = []
     index: dict[str, int] = {}
     nodes = []
-    for e in entries:
+    for e, name in zip(entries, hostnames, strict=True):
         cls = _host_class(e.host)
         key = json.dumps(cls, sort_keys=True)
         if key not in index:
@@ -210,7 +217,7 @@ def assemble_world(entries: Sequence[NodeEntry], measured: Sequence[Sequence[Any
             classes.append(cls)
         nodes.append(
             {
-                "hostname": e.host.hostname,
+                "hostname": name,
                 "class": index[key],
                 "workers": [[w.global_rank, w.local_rank, w.device] for w in e.workers],
             }
@@ -285,3 +292,64 @@ def wait_for(store: KeyValueStore, key: str, timeout_s: float, *, what: str) -> 
 def digest(text: str) -> str:
     """Short content hash used in file names: equal files get equal names."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def probe_key(ns: str, group_rank: int) -> str:
+    return f"{ns}/probe/{group_rank}"
+
+
+def lead(
+    store: KeyValueStore,
+    ns: str,
+    world_size: int,
+    timeout_s: float,
+    *,
+    probe_timeout_s: float | None = None,
+) -> None:
+    """The leader's part: gather and validate every node entry, publish the world.
+
+    With ``probe_timeout_s`` it also gathers each node's probe result. On a rejected entry
+    it publishes the error for the other nodes and raises it.
+    """
+    try:
+        entries = [
+            decode_node(wait_for(store, node_key(ns, g), timeout_s, what=f"node {g}"), group_rank=g)
+            for g in range(world_size)
+        ]
+        rows = gather_probes(store, ns, world_size, probe_timeout_s) if probe_timeout_s is not None else []
+        doc = assemble_world(entries, rows)
+    except LaunchError as exc:
+        store.set(world_key(ns), error_document(str(exc)))
+        raise
+    store.set(world_key(ns), doc)
+
+
+def fetch_world(store: KeyValueStore, ns: str, timeout_s: float) -> World:
+    """Every node's part: wait for the leader's document and parse it."""
+    return decode_world(wait_for(store, world_key(ns), timeout_s, what="node 0 (the leader)"))
+
+
+def gather_probes(store: KeyValueStore, ns: str, world_size: int, timeout_s: float) -> list[list[Any]]:
+    """Node-pair rows ``[a, b, latency_us, bandwidth_GBps]`` from every node's probe result.
+
+    A node that could not measure its peer publishes ``{"peer": p}`` only: that pair keeps
+    its defaults. Of two measurements of one pair (two-node rings) the first is kept.
+    """
+    rows: dict[tuple[int, int], list[Any]] = {}
+    for g in range(world_size):
+        raw = wait_for(store, probe_key(ns, g), timeout_s, what=f"node {g}")
+        if len(raw) > 4096:
+            raise _node_error(g, f"its probe result is {len(raw)} bytes, more than 4096")
+        try:
+            res = json.loads(raw)
+            peer = _int(res["peer"], "peer")
+            if "latency_us" not in res:
+                continue
+            lat, bw = float(res["latency_us"]), float(res["bandwidth_GBps"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _node_error(g, f"malformed probe result ({exc})") from None
+        if peer >= world_size or peer == g or not (0 < lat < 1e9 and 0 < bw < 1e6):
+            raise _node_error(g, f"impossible probe result {res!r}")
+        key = (min(g, peer), max(g, peer))
+        rows.setdefault(key, [key[0], key[1], round(lat, 3), round(bw, 3)])
+    return [rows[k] for k in sorted(rows)]

@@ -33,7 +33,7 @@ def safe_run_id(run_id: str) -> str:
     >>> safe_run_id("job-42")
     'job-42'
     >>> safe_run_id("job:42")
-    'job_42-dd5a6c5c'
+    'job_42-df66d774'
     """
     if not run_id or len(run_id) > 200:
         raise LaunchError(f"run id {run_id!r} must be 1 to 200 characters long")

@@ -1,0 +1,89 @@
+"""Real `topomesh launch` agents on loopback: two nodes, restarts, elasticity, isolation."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.launch.conftest import Agents, free_port, wait_listening
+
+pytestmark = pytest.mark.slow
+
+TWO_NODES = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d"]
+
+
+def _rdzv(port: int, run_id: str) -> list[str]:
+    return [f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}"]
+
+
+def test_two_nodes_different_hosts_get_identical_files_with_right_kinds(agents: Agents) -> None:
+    port = free_port()
+    expect = json.dumps({"same": {"dgx-h100-8gpu-8ib": "NVSwitch", "pcie-4gpu-2numa": "PIX"}, "cross": "NIC"})
+    topo_dir = agents.tmp / "topo"
+    common = [*TWO_NODES, *_rdzv(port, "two-hosts"), f"--topology-dir={topo_dir}"]
+    a = agents.start("a", common, sysfs="dgx-h100-8gpu-8ib", env={"CHECK_EXPECT": expect})
+    b = agents.start("b", common, sysfs="pcie-4gpu-2numa", env={"CHECK_EXPECT": expect})
+    assert agents.wait(a) == 0, agents.log(a)[-3000:]
+    assert agents.wait(b) == 0, agents.log(b)[-3000:]
+
+    reports = agents.reports()
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
+    # every worker checked every pair's kind itself; here: one file content for all four
+    assert len({r["bytes"] for r in reports}) == 1
+    r0 = reports[0]
+    assert sorted(set(r0["hostnames"])) == ["dgx-h100-8gpu-8ib", "pcie-4gpu-2numa"]
+    # torchrun's order: ranks of one node are consecutive
+    assert r0["hostnames"][0] == r0["hostnames"][1] and r0["hostnames"][2] == r0["hostnames"][3]
+    assert {r["run_id"] for r in reports} == {"two-hosts"}
+    assert {r["file_restart_count"] for r in reports} == {0}
+    # both agents wrote into one private run directory (same host here), same name
+    files = sorted((topo_dir / "two-hosts").iterdir())
+    assert [f.name for f in files] == [Path(r0["file"]).name]
+    assert stat.S_IMODE((topo_dir / "two-hosts").stat().st_mode) == 0o700
+    assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+
+
+def _copy_fixture(src: str, dst: Path, hostname: str) -> Path:
+    """A fixture sysfs tree under another host name (symlinks kept as they are)."""
+    import shutil
+
+    from tests.launch.conftest import SYSFS
+
+    shutil.copytree(SYSFS / src, dst, symlinks=True)
+    (dst / "hostname").write_text(hostname + "\n")
+    return dst
+
+
+def test_restart_after_worker_failure_rebuilds_file(agents: Agents) -> None:
+    """Rank 3 fails in round 0; with --max-restarts=1 the job completes in round 1.
+
+    Both nodes are DGX hosts (IB rails). The failing node restarts (its own count 1), the
+    other one re-forms because a node is waiting (its own count stays 0); the file of the
+    new round records the job's count, 1, on both nodes, and gloo works over the new world.
+    """
+    port = free_port()
+    b_root = _copy_fixture("dgx-h100-8gpu-8ib", agents.tmp / "sysfs-b", "dgx-b")
+    expect = json.dumps({"same": {"dgx-h100-8gpu-8ib": "NVSwitch", "dgx-b": "NVSwitch"}, "cross": "IB"})
+    common = [*TWO_NODES, *_rdzv(port, "restarts"), "--max-restarts=1"]
+    env = {"CHECK_EXPECT": expect, "CHECK_FAIL_RANK": "3", "CHECK_GLOO": "1"}
+    a = agents.start("a", common, sysfs="dgx-h100-8gpu-8ib", env=env)
+    b = agents.start("b", common, sysfs=str(b_root), env=env)
+    assert agents.wait(a) == 0, agents.log(a)[-3000:]
+    assert agents.wait(b) == 0, agents.log(b)[-3000:]
+
+    reports = agents.reports()
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]  # only round-1 workers report
+    assert {r["file_restart_count"] for r in reports} == {1}
+    assert sorted({r["env_restart_count"] for r in reports}) in ([0, 1], [1])
+    assert len({r["bytes"] for r in reports}) == 1
+    assert {r["allreduce"] for r in reports} == {4.0}
+    # round 0 and round 1 files both exist in the default per-user directory under $TMPDIR
+    run_dir = agents.tmp / f"topomesh-{os.getuid()}" / "restarts"
+    names = sorted(f.name for f in run_dir.iterdir())
+    assert any(n.startswith("topology-r0-") for n in names) and any(n.startswith("topology-r1-") for n in names)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(run_dir.parent.stat().st_mode) == 0o700
