@@ -219,7 +219,7 @@ def test_missing_attributes_give_a_smaller_host(tmp_path):
     (root / "sys/bus/pci/devices/0000:83:00.0/numa_node").unlink()
     shutil.rmtree(root / "sys/devices/system/node")
     (root / "hostname").unlink()
-    host = discover_host(root)
+    host = discover_host(root, use_nvml=False)
     assert [g.pci_bus_id for g in host.gpus] == ["0000:03:00.0", "0000:04:00.0", "0000:83:00.0"]
     assert host.hostname  # falls back to this machine's name
     assert [d.id for d in host.devices if d.kind is DeviceKind.CPU] == ["CPU0"]
@@ -240,8 +240,8 @@ def test_garbage_values_and_unreadable_files(tmp_path):
     (ib / "mlx5_1/ports/1/rate").write_text("fast\n")
     (ib / "mlx5_2/ports/1/state").write_text("1: DOWN\n")
     (root / "sys/devices/system/node/node1/cpulist").write_text("x-y,,7\n")
-    host = discover_host(root)
-    assert [g.pci_bus_id for g in host.gpus] == [
+    sysfs_only = discover_host(root, use_nvml=False)
+    assert [g.pci_bus_id for g in sysfs_only.gpus] == [
         "0000:18:00.0",
         "0000:41:00.0",
         "0000:9a:00.0",
@@ -249,6 +249,14 @@ def test_garbage_values_and_unreadable_files(tmp_path):
         "0000:ce:00.0",
         "0000:dc:00.0",
     ]
+    host = discover_host(root)
+    # NVML still knows all 8; the two that sysfs cannot identify keep their NVSwitch links
+    # and, as their place in the PCI tree is still known, their PIX NIC
+    assert len(host.gpus) == 8
+    assert host.path("GPU2", "GPU3").kind is LinkKind.NVSWITCH
+    mlx5_3 = next(n.id for n in host.nics if n.name == "mlx5_3")
+    assert host.path("GPU3", mlx5_3).kind is LinkKind.PIX
+    assert host.gpus[2].arch == "sm90"
     assert host.gpus[0].numa_node is None  # garbage numa_node on a 2-node host: unknown
     nics = {n.name: n for n in host.nics}
     assert nics["mlx5_1"].speed_Gbps is None
@@ -269,7 +277,7 @@ def test_dangling_and_odd_symlinks(tmp_path):
     nic_dir = Path(os.path.realpath(net / "enp33s0f0np0"))
     (nic_dir / "device").unlink()
     (nic_dir / "device").symlink_to("../../../does-not-exist")
-    host = discover_host(root)
+    host = discover_host(root, use_nvml=False)
     assert [g.pci_bus_id for g in host.gpus] == ["0000:03:00.0", "0000:83:00.0", "0000:86:00.0"]
     assert [(n.name, n.pci_bus_id) for n in host.nics] == [("enp33s0f0np0", None)]
     assert host.path("GPU0", "NIC0") is None  # nothing known about where the NIC sits
@@ -448,3 +456,58 @@ def test_two_fixture_hosts_in_one_world():
     eth = topo.connection(0, 16)
     assert (eth.kind, eth.bandwidth_GBps) == (LinkKind.NIC, pytest.approx(12.5))  # 100 GbE end
     assert topo.connection(0, 1).kind is LinkKind.NVSWITCH
+
+
+def test_roce_netdev_is_not_listed_twice(tmp_path):
+    """An RDMA device in Ethernet mode (RoCE) and its netdev are one NIC, of kind IB."""
+    root = copy_fixture(BRIDGE, tmp_path)
+    fn = Path(os.path.realpath(root / "sys/bus/pci/devices/0000:22:00.0"))
+    ib = fn / "infiniband" / "mlx5_0"
+    (ib / "ports/1").mkdir(parents=True)
+    (ib / "ports/1/rate").write_text("25 Gb/sec (1X EDR)\n")
+    (ib / "ports/1/state").write_text("4: ACTIVE\n")
+    (ib / "ports/1/link_layer").write_text("Ethernet\n")
+    (ib / "device").symlink_to("../..")
+    (root / "sys/class/infiniband").mkdir(parents=True)
+    (root / "sys/class/infiniband/mlx5_0").symlink_to(os.path.relpath(ib, root / "sys/class/infiniband"))
+    host = discover_host(root)
+    assert [(n.name, n.kind, n.speed_Gbps, n.pci_bus_id) for n in host.nics] == [
+        ("mlx5_0", NicKind.IB, 25.0, "0000:22:00.0")
+    ]
+
+
+_GARBAGE = ("", "-1", "0x", "nan", "1e400", "99999999999999999999999", "\x00\x01", "4: ACTIVE", "32.0 GT/s")
+
+
+@pytest.mark.parametrize("name", [DGX, PCIE, BRIDGE, CPU])
+def test_mutated_trees_give_a_host_or_a_topology_error(tmp_path, name):
+    """Seeded damage to a third of a tree's files (garbage text, random bytes, deletion,
+    a directory or a dangling link instead of a file): discovery still returns a host, or a
+    TopologyError when the damage hit nvml.json; the host still builds a topology."""
+    import random
+
+    for seed in range(4):
+        rng = random.Random(seed)
+        root = copy_fixture(name, tmp_path / str(seed))
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+        nvml_hit = False
+        for p in rng.sample(files, len(files) // 3):
+            nvml_hit |= p.name == "nvml.json"
+            op = rng.randrange(5)
+            if op == 0:
+                p.write_text(rng.choice(_GARBAGE))
+            elif op == 1:
+                p.write_bytes(rng.randbytes(rng.randrange(1, 64)))
+            else:
+                p.unlink()
+                if op == 3:
+                    p.mkdir()
+                elif op == 4:
+                    p.symlink_to("missing-target")
+        try:
+            host = discover_host(root)
+        except TopologyError:
+            assert nvml_hit, f"seed {seed}: TopologyError without damage to nvml.json"
+            host = discover_host(root, use_nvml=False)
+        topo = single_host_topology(host)
+        assert topo.world_size >= 1

@@ -426,20 +426,22 @@ def discover_host(
             return dev.numa_node
         return next(iter(numa), 0) if single_numa else None  # no NUMA info: one node, 0
 
-    gpu_pci = sorted((p for p in pci.values() if p.is_nvidia_gpu), key=lambda p: _bus_key(p.bus_id))
     nvml = _nvml_data(root, use_nvml, pci)
+    # NVML is trusted about which GPUs exist (a container may hide them from sysfs)
+    gpu_buses = {p.bus_id for p in pci.values() if p.is_nvidia_gpu} | set(nvml or {})
     devices: list[Device] = []
-    for i, p in enumerate(gpu_pci):
-        info = nvml.get(p.bus_id) if nvml else None
-        known = gpu_from_table(p.vendor, p.device)
+    for i, bus in enumerate(sorted(gpu_buses, key=_bus_key)):
+        info = nvml.get(bus) if nvml else None
+        p = pci.get(bus)
+        known = gpu_from_table(p.vendor, p.device) if p else None
         devices.append(
             Device(
                 id=f"GPU{i}",
                 kind=DeviceKind.GPU,
                 index=i,
                 name=(info.name if info and info.name else (known[0] if known else "")),
-                pci_bus_id=p.bus_id,
-                numa_node=numa_of(p.bus_id),
+                pci_bus_id=bus,
+                numa_node=numa_of(bus),
                 arch=(info.arch if info and info.arch else (known[1] if known else None)),
                 memory_bytes=info.memory_bytes if info else None,
             )
@@ -474,6 +476,7 @@ def _check_root(sysfs_root: str | os.PathLike[str] | None) -> str:
 def _default_hostname(root: str) -> str:
     text = _read(os.path.join(root, HOSTNAME_FILE))
     first = text.splitlines()[0].strip() if text else ""
+    first = "".join(ch for ch in first if ch.isprintable() and not ch.isspace())
     return first or socket.gethostname() or "localhost"
 
 
@@ -509,16 +512,23 @@ def _paths(
     single_numa: bool,
     d: LinkDefaults,
 ) -> tuple[Path, ...]:
-    """GPU-GPU (NVLink first, else PCIe class), GPU-NIC (PCIe class), CPU-NIC (PHB/SYS)."""
+    """GPU-GPU (NVLink first, else PCIe class), GPU-NIC (PCIe class), CPU-NIC (PHB/SYS).
+
+    Pairs with an end whose place in the PCI tree is unknown get no path.
+    """
+
+    def pcie(a_id: str, a_bus: str | None, b_id: str, b_bus: str | None) -> Path | None:
+        a, b = pci.get(a_bus or ""), pci.get(b_bus or "")
+        if a is None or b is None:
+            return None
+        kind = pcie_path_kind(a, b, single_numa=single_numa)
+        return Path(a=a_id, b=b_id, kind=kind, bandwidth_GBps=pcie_path_GBps(a, b, pci, d))
+
     gpus = [g for g in devices if g.kind is DeviceKind.GPU]
-    out: list[Path] = []
+    out: list[Path | None] = []
     for a, b in combinations(gpus, 2):
-        nv = _nvlink_path(a, b, nvml)
-        out.append(nv if nv is not None else _pcie_path(a.id, a.pci_bus_id, b.id, b.pci_bus_id, pci, single_numa, d))
-    for g in gpus:
-        for n in nics:
-            if n.pci_bus_id in pci:
-                out.append(_pcie_path(g.id, g.pci_bus_id, n.id, n.pci_bus_id, pci, single_numa, d))
+        out.append(_nvlink_path(a, b, nvml) or pcie(a.id, a.pci_bus_id, b.id, b.pci_bus_id))
+    out += [pcie(g.id, g.pci_bus_id, n.id, n.pci_bus_id) for g in gpus for n in nics]
     for c in (dev for dev in devices if dev.kind is DeviceKind.CPU):
         for n in nics:
             if c.numa_node is None or n.numa_node is None:
@@ -527,18 +537,6 @@ def _paths(
             own = pcie_path_GBps(pci[n.pci_bus_id], None, pci, d) if n.pci_bus_id in pci else None
             out.append(Path(a=c.id, b=n.id, kind=kind, bandwidth_GBps=own))
     return tuple(p for p in out if p is not None)
-
-
-def _pcie_path(
-    a_id: str, a_bus: str | None, b_id: str, b_bus: str | None, pci: Mapping[str, PciDevice], single_numa: bool, d: LinkDefaults
-) -> Path:
-    a, b = pci[a_bus], pci[b_bus]  # type: ignore[index]
-    return Path(
-        a=a_id,
-        b=b_id,
-        kind=pcie_path_kind(a, b, single_numa=single_numa),
-        bandwidth_GBps=pcie_path_GBps(a, b, pci, d),
-    )
 
 
 def _nvlink_path(a: Device, b: Device, nvml: Mapping[str, NvmlGpu]) -> Path | None:
