@@ -62,9 +62,9 @@ def _split(line: str) -> list[str]:
 def _find_header(lines: list[str], source: str) -> tuple[int, list[str]]:
     for i, line in enumerate(lines):
         tokens = _HEADER_TOKEN.findall(line)
-        if any(_GPU.match(t) or _NIC.match(t) for t in tokens) and not any(_CELL.match(t) for t in tokens):
+        if tokens and (_GPU.match(tokens[0]) or _NIC.match(tokens[0])) and not any(_CELL.match(t) for t in tokens):
             return i, tokens
-    raise TopologyError("no matrix header (a line naming GPU0, GPU1, ... or NIC0, ...) found", source=source)
+    raise TopologyError("no matrix header (a line of column names GPU0, GPU1, ...) found", source=source)
 
 
 def _rows(lines: list[str], start: int, labels: list[str], source: str) -> dict[str, _Row]:
@@ -121,6 +121,8 @@ def parse_smi_topo(text: str, *, source: str) -> Host:
     if len(set(labels)) != len(labels):
         raise TopologyError("the header names a column twice", source=source, where=f"line {start + 1}")
     rows = _rows(lines, start + 1, labels, source)
+    if not rows:
+        raise TopologyError("the matrix header is not followed by any row", source=source, where=f"line {start + 2}")
     legend = {m.group(1): m.group(2) for line in lines if (m := _NIC_LEGEND.match(line))}
 
     gpus: list[Device] = []
