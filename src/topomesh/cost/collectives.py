@@ -46,6 +46,8 @@ from topomesh.topology.model import Connection, LinkKind
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord
 
 PROFILE_VERSION = 1
+PIECEWISE_MARGIN = 0.9
+"""The piecewise model replaces alpha-beta only when its held-out error is below 90% of alpha-beta's."""
 
 
 def bus_factor(kind: CollectiveKind, n: int) -> float:
@@ -324,8 +326,11 @@ def _rel_errors(model: CollectiveModel, samples: Sequence[Sample]) -> np.ndarray
     return np.array([abs(model.time_s(s.group_size, s.nbytes, 0.0) - s.seconds) / s.seconds for s in samples])
 
 
-def fit_piecewise(samples: Sequence[Sample], *, min_points: int = 2) -> CollectiveModel:
-    """Two alpha-beta terms split at the size that minimizes the mean relative training error."""
+def fit_piecewise(samples: Sequence[Sample], *, min_points: int = 3) -> CollectiveModel:
+    """Two alpha-beta terms split at the size that minimizes the mean relative training error.
+
+    Each side needs ``min_points`` distinct sizes, so neither term merely interpolates two points.
+    """
     s0 = samples[0]
     sizes = sorted({s.nbytes for s in samples})
     best: tuple[float, CollectiveModel] | None = None
@@ -347,8 +352,9 @@ def fit_piecewise(samples: Sequence[Sample], *, min_points: int = 2) -> Collecti
 
 
 def fit_collective(samples: Sequence[Sample], *, source: str = "") -> CollectiveModel:
-    """Fit alpha-beta and piecewise models on every other size; keep the one with the lower
-    error on the sizes held out (the others), and report that error.
+    """Fit alpha-beta and piecewise models on every other size; keep alpha-beta unless the
+    piecewise model's error on the held-out sizes (the others) is clearly lower
+    (:data:`PIECEWISE_MARGIN`), and report the kept model's held-out error.
 
     The saved parameters are those fitted on the training sizes only, so the reported
     held-out error is the error of the saved model.
@@ -365,11 +371,14 @@ def fit_collective(samples: Sequence[Sample], *, source: str = "") -> Collective
     train = [s for s in samples if s.nbytes not in held]
     test = [s for s in samples if s.nbytes in held]
     candidates = [CollectiveModel(collective=s0.collective, link=s0.link, terms=(fit_term(train),))]
-    if len({s.nbytes for s in train}) >= 4:
+    if len({s.nbytes for s in train}) >= 6:
         with suppress(CalibrationError):  # too few sizes on one side of every split
             candidates.append(fit_piecewise(train))
     errors = {m.name: _rel_errors(m, test) for m in candidates}
-    best = min(candidates, key=lambda m: float(errors[m.name].mean()))
+    best = candidates[0]
+    for m in candidates[1:]:  # a model with more parameters must win clearly
+        if errors[m.name].mean() < PIECEWISE_MARGIN * errors[best.name].mean():
+            best = m
     fit = FitError(
         mean_rel=float(errors[best.name].mean()), max_rel=float(errors[best.name].max()),
         train_points=len(train), heldout_points=len(test),

@@ -1,0 +1,456 @@
+"""Collective calibration: measure this cluster's collectives once, fit, save a profile.
+
+Run on every rank of a job, e.g.::
+
+    torchrun --nproc-per-node 8 --nnodes 2 ... -m topomesh.cost.calibrate --output prof.json
+    topomesh launch --nproc-per-node 2 -m topomesh.cost.calibrate
+    topomesh calibrate --local 2          # spawns 2 local gloo processes itself
+
+Every rank runs the same sweep: all-reduce, all-gather, reduce-scatter, all-to-all,
+broadcast and send/recv over log-spaced sizes (1 KiB .. 64 MiB by default), for group
+sizes 2, 4, ... up to the world, separately for a group inside one host (intra-node) and
+a group of one rank per host (inter-node). The link kind of a group is its slowest ring
+link in ``WORLD_TOPOLOGY_FILE`` when the launcher wrote one, else SHM (CPU) / PHB (GPU)
+inside a host and NIC between hosts. Each point is timed ``repeats`` times between
+barriers; a point's time is the slowest rank's median. Rank 0 fits every collective ×
+link kind (:func:`topomesh.cost.collectives.fit_collective`: alpha-beta or piecewise,
+error on held-out sizes) and writes the profile JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from topomesh.cost.collectives import CollectiveProfile, Sample, fit_collective
+from topomesh.cost.devices import cache_dir, write_json_atomic
+from topomesh.errors import CalibrationError
+from topomesh.topology.model import LinkKind
+from topomesh.trace.graph import CollectiveKind
+
+KiB = 1024
+MiB = 1024 * KiB
+ALL_COLLECTIVES = tuple(CollectiveKind)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepConfig:
+    min_bytes: int = 1 * KiB
+    max_bytes: int = 64 * MiB
+    factor: int = 2
+    """Ratio between consecutive sizes (log-spaced sweep)."""
+    collectives: tuple[CollectiveKind, ...] = ALL_COLLECTIVES
+    max_group: int | None = None
+    """Largest group size measured (default: the world)."""
+    bytes_per_point: int = 128 * MiB
+    """Repeats per point = bytes_per_point / size, clamped to [min_repeats, max_repeats]."""
+    min_repeats: int = 3
+    max_repeats: int = 20
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        if not 4 <= self.min_bytes <= self.max_bytes:
+            raise CalibrationError(f"size range {self.min_bytes}..{self.max_bytes} bytes is empty or below 4 bytes")
+        if self.factor < 2:
+            raise CalibrationError(f"size factor must be >= 2, got {self.factor}")
+        if not 1 <= self.min_repeats <= self.max_repeats:
+            raise CalibrationError(f"repeats {self.min_repeats}..{self.max_repeats} are not a valid range")
+
+    def sizes(self) -> list[int]:
+        """Log-spaced sizes.
+
+        >>> SweepConfig(min_bytes=1024, max_bytes=16384, factor=2).sizes()
+        [1024, 2048, 4096, 8192, 16384]
+        """
+        out, s = [], self.min_bytes
+        while s <= self.max_bytes:
+            out.append(s)
+            s *= self.factor
+        return out
+
+    def repeats(self, nbytes: int) -> int:
+        """Deterministic (every rank computes the same count, so collectives stay matched).
+
+        >>> SweepConfig().repeats(1024), SweepConfig().repeats(64 * MiB)
+        (20, 3)
+        """
+        return max(self.min_repeats, min(self.max_repeats, self.bytes_per_point // max(nbytes, 1)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupSpec:
+    ranks: tuple[int, ...]
+    link: LinkKind
+    scope: str
+    """``intra`` (one host) or ``inter`` (one rank per host)."""
+
+
+def plan_groups(hosts: Sequence[str], link_of: Callable[[tuple[int, ...]], LinkKind],
+                max_group: int | None = None) -> list[GroupSpec]:
+    """Groups to measure: per power-of-two size, the first ranks of the first host (intra)
+    and the first rank of each of the first hosts (inter). Pure; ``hosts[r]`` is rank r's host.
+
+    >>> [ (g.ranks, g.scope) for g in plan_groups(["a", "a", "b", "b"], lambda r: LinkKind.SHM)]
+    [((0, 1), 'intra'), ((0, 2), 'inter')]
+    """
+    world = len(hosts)
+    limit = min(world, max_group or world)
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    host_lists = list(by_host.values())
+    heads = [rs[0] for rs in host_lists]
+    out: list[GroupSpec] = []
+    g = 2
+    while g <= limit:
+        first = host_lists[0]
+        if len(first) >= g:
+            ranks = tuple(first[:g])
+            out.append(GroupSpec(ranks=ranks, link=link_of(ranks), scope="intra"))
+        if len(heads) >= g:
+            ranks = tuple(heads[:g])
+            out.append(GroupSpec(ranks=ranks, link=link_of(ranks), scope="inter"))
+        g *= 2
+    return out
+
+
+def _topology_link_of(hosts: Sequence[str], device: str) -> tuple[Callable[[tuple[int, ...]], LinkKind], str]:
+    """How to name a group's link: the topology file's slowest ring link, else by host."""
+    from topomesh.topology.api import ENV_VAR, load_topology
+
+    if os.environ.get(ENV_VAR):
+        topo = load_topology()
+
+        def from_topology(ranks: tuple[int, ...]) -> LinkKind:
+            kinds = [topo.connection(a, b).kind for a, b in zip(ranks, ranks[1:] + ranks[:1], strict=True)]
+            return max(kinds, key=lambda k: k.tier)
+
+        return from_topology, f"topology file {os.environ[ENV_VAR]}"
+    intra = LinkKind.SHM if device == "cpu" else LinkKind.PHB
+
+    def by_host(ranks: tuple[int, ...]) -> LinkKind:
+        return intra if len({hosts[r] for r in ranks}) == 1 else LinkKind.NIC
+
+    return by_host, f"no topology file: {intra.value} inside a host, NIC between hosts"
+
+
+def _buffers(kind: CollectiveKind, nbytes: int, n: int, device: str) -> tuple[Any, Any]:
+    import torch
+
+    elems = max(n, nbytes // 4 // n * n)  # float32, divisible by the group size
+    big = torch.ones(elems, device=device)
+    if kind is CollectiveKind.ALL_GATHER:
+        return big[: elems // n].clone(), big
+    if kind is CollectiveKind.REDUCE_SCATTER:
+        return big, torch.empty(elems // n, device=device)
+    if kind is CollectiveKind.ALL_TO_ALL:
+        return big, torch.empty_like(big)
+    return big, big
+
+
+def _op(kind: CollectiveKind, inp: Any, out: Any, group: Any, ranks: tuple[int, ...], me: int) -> Callable[[], None]:
+    import torch.distributed as dist
+
+    if kind is CollectiveKind.ALL_REDUCE:
+        return lambda: dist.all_reduce(inp, group=group)
+    # torch 2.13 renamed the tensor forms (*_single); older releases only have the old names.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if kind is CollectiveKind.ALL_GATHER:
+        return lambda: all_gather(out, inp, group=group)
+    if kind is CollectiveKind.REDUCE_SCATTER:
+        return lambda: reduce_scatter(out, inp, group=group)
+    if kind is CollectiveKind.ALL_TO_ALL:
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    if kind is CollectiveKind.BROADCAST:
+        return lambda: dist.broadcast(inp, src=ranks[0], group=group)
+    if me == ranks[0]:
+        return lambda: dist.send(inp, dst=ranks[1])
+    return lambda: dist.recv(inp, src=ranks[0])
+
+
+def _time_point(fn: Callable[[], None], group: Any, repeats: int, warmup: int, device: str) -> float:
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_sweep(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str,
+              progress: Callable[[str], None] | None = None) -> list[Sample]:
+    """Measure every collective × size on every group (call on all ranks; collective).
+
+    Returns the samples this rank measured as group rank 0 (the slowest rank's medians).
+    """
+    import torch
+    import torch.distributed as dist
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    samples: list[Sample] = []
+    for spec in groups:
+        pg = None if len(spec.ranks) == world else dist.new_group(list(spec.ranks))
+        member = me in spec.ranks
+        for kind in cfg.collectives:
+            if kind is CollectiveKind.SEND_RECV and len(spec.ranks) != 2:
+                continue
+            medians = []
+            for nbytes in cfg.sizes():
+                if member:
+                    inp, out = _buffers(kind, nbytes, len(spec.ranks), device)
+                    fn = _op(kind, inp, out, pg, spec.ranks, me)
+                    medians.append(_time_point(fn, pg, cfg.repeats(nbytes), cfg.warmup, device))
+                    if progress:
+                        progress(f"{kind.value} n={len(spec.ranks)} {spec.scope} {nbytes} B")
+            if member:
+                worst = torch.tensor(medians, dtype=torch.float64, device=device)
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pg)
+                if me == spec.ranks[0]:
+                    n = len(spec.ranks)
+                    for nbytes, t in zip(cfg.sizes(), worst.tolist(), strict=True):
+                        # record the per-rank buffer as CollectiveRecord defines it
+                        elems = max(n, nbytes // 4 // n * n)
+                        samples.append(Sample(collective=kind, link=spec.link, group_size=n,
+                                              nbytes=elems * 4, seconds=t))
+        dist.barrier()
+    return samples
+
+
+def points_per_rank0(cfg: SweepConfig, groups: Sequence[GroupSpec]) -> int:
+    total = 0
+    for g in groups:
+        kinds = [k for k in cfg.collectives if k is not CollectiveKind.SEND_RECV or len(g.ranks) == 2]
+        total += len(kinds) * len(cfg.sizes())
+    return total
+
+
+def fit_profile(samples: Sequence[Sample], *, name: str, backend: str, fingerprint: str,
+                meta: dict[str, Any]) -> tuple[CollectiveProfile, dict[str, str]]:
+    """Fit every (collective, link) of ``samples``; returns the profile and what could not be fitted."""
+    groups: dict[tuple[CollectiveKind, LinkKind], list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.collective, s.link), []).append(s)
+    models, skipped = {}, {}
+    for key, ss in groups.items():
+        try:
+            models[key] = fit_collective(ss, source=f"measured: {len(ss)} points, {backend}")
+        except CalibrationError as exc:
+            skipped[f"{key[0].value}/{key[1].value}"] = str(exc)
+    prof = CollectiveProfile(name=name, backend=backend, source="topomesh calibrate", models=models,
+                             cluster_fingerprint=fingerprint, meta=meta)
+    return prof, skipped
+
+
+def cluster_fingerprint(ranks: Sequence[tuple[str, str]], backend: str) -> str:
+    """sha1 over (host, device name) per rank and the backend: same cluster shape, same id."""
+    blob = json.dumps({"backend": backend, "ranks": sorted(map(list, ranks))}, sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def default_profile_path(fingerprint: str) -> Path:
+    return cache_dir() / "collectives" / f"{fingerprint}.json"
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-bytes", type=int, default=1 * KiB, help="smallest message (default 1 KiB)")
+    p.add_argument("--max-bytes", type=int, default=64 * MiB, help="largest message (default 64 MiB)")
+    p.add_argument("--factor", type=int, default=2, help="ratio between sizes (default 2)")
+    p.add_argument("--collectives", default=",".join(k.value for k in ALL_COLLECTIVES),
+                   help="comma-separated subset of " + ", ".join(k.value for k in ALL_COLLECTIVES))
+    p.add_argument("--max-group", type=int, default=None, help="largest group size (default: the world)")
+    p.add_argument("--max-repeats", type=int, default=20)
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: nccl when CUDA is available, else gloo")
+    p.add_argument("--output", type=Path, default=None,
+                   help="profile JSON to write (default: the cache dir, by cluster fingerprint)")
+    p.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> SweepConfig:
+    try:
+        kinds = tuple(CollectiveKind(k.strip()) for k in args.collectives.split(",") if k.strip())
+    except ValueError as exc:
+        raise CalibrationError(f"--collectives: {exc}") from None
+    return SweepConfig(min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
+                       collectives=kinds, max_group=args.max_group, max_repeats=args.max_repeats,
+                       min_repeats=min(3, args.max_repeats))
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The per-rank body: init the process group, sweep, and on rank 0 fit and save."""
+    import torch
+    import torch.distributed as dist
+
+    cfg = config_from_args(args)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise CalibrationError(
+            "RANK/WORLD_SIZE are not set: run under torchrun or `topomesh launch` "
+            "(… -m topomesh.cost.calibrate), or use `topomesh calibrate --local N`"
+        )
+    backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    device = "cpu"
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    started = time.perf_counter()
+    dist.init_process_group(backend)
+    try:
+        me = dist.get_rank()
+        dev_name = torch.cuda.get_device_name(device) if device != "cpu" else "cpu"
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, (socket.gethostname(), dev_name))
+        hosts = [h for h, _ in ranks]
+        link_of, link_source = _topology_link_of(hosts, "cpu" if device == "cpu" else "cuda")
+        groups = plan_groups(hosts, link_of, cfg.max_group)
+        if not groups:
+            raise CalibrationError(f"a world of {len(hosts)} rank(s) has no group of 2 or more to measure")
+        samples = _sweep_with_progress(cfg, groups, device, show=me == 0 and not args.no_progress)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, samples)
+        if me != 0:
+            return None
+        all_samples = [s for part in gathered for s in part]
+        fp = cluster_fingerprint([tuple(r) for r in ranks], backend)
+        meta = {
+            "world_size": len(hosts), "hosts": sorted(set(hosts)), "devices": sorted({d for _, d in ranks}),
+            "link_source": link_source, "sizes_bytes": cfg.sizes(), "torch": torch.__version__,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],
+            "samples": [[s.collective.value, s.link.value, s.group_size, s.nbytes, s.seconds] for s in all_samples],
+        }
+        prof, skipped = fit_profile(all_samples, name=f"calibrated-{fp}", backend=backend, fingerprint=fp, meta=meta)
+        elapsed = time.perf_counter() - started
+        prof_dict = prof.to_dict()
+        prof_dict["meta"]["sweep_seconds"] = elapsed
+        out = args.output or default_profile_path(fp)
+        write_json_atomic(Path(out), prof_dict)
+        result = {"profile": str(out), "cluster_fingerprint": fp, "sweep_seconds": elapsed,
+                  "models": [m for m in prof_dict["models"]], "skipped": skipped}
+        if args.result_file:
+            write_json_atomic(args.result_file, result)
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _sweep_with_progress(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str, *, show: bool) -> list[Sample]:
+    if not show:
+        return run_sweep(cfg, groups, device)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("calibrate"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TextColumn("{task.description}"),
+                  console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("", total=points_per_rank0(cfg, groups))
+        return run_sweep(cfg, groups, device, progress=lambda d: bar.update(task, advance=1, description=d))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def spawn_local(nproc: int, worker_argv: Sequence[str], *, timeout_s: float = 600.0,
+                threads_per_proc: int = 1) -> dict[str, Any]:
+    """Run ``nproc`` calibration workers on this host over loopback (gloo) and wait for them.
+
+    Returns rank 0's result. Workers are this module run as ``python -m``; rank 0's stderr
+    (the progress bar) is passed through, the others' is kept and shown on failure.
+    """
+    import subprocess
+    import tempfile
+
+    if nproc < 2:
+        raise CalibrationError(f"--local needs at least 2 processes to measure a collective, got {nproc}")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="topomesh-calibrate-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        procs: list[subprocess.Popen[bytes]] = []
+        logs = []
+        try:
+            for rank in range(nproc):
+                env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
+                       "GROUP_RANK": "0", "OMP_NUM_THREADS": str(threads_per_proc)}
+                extra = ["--result-file", str(result_file)] if rank == 0 else ["--no-progress"]
+                log = open(Path(tmp) / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
+                logs.append(log)
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "topomesh.cost.calibrate", *worker_argv, *extra], env=env,
+                    stdout=log, stderr=None if rank == 0 else log))
+            deadline = time.monotonic() + timeout_s
+            codes = {}
+            while len(codes) < nproc:
+                for rank, proc in enumerate(procs):
+                    if rank not in codes and proc.poll() is not None:
+                        codes[rank] = proc.returncode
+                if any(c != 0 for c in codes.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            for log in logs:
+                log.close()
+        bad = {r: c for r, c in codes.items() if c != 0}
+        if bad or len(codes) < nproc:
+            rank = next(iter(bad), None)
+            tail = ""
+            if rank is not None:
+                tail = (Path(tmp) / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-5:]
+                tail = " | ".join(tail)
+            what = f"rank {rank} exited with {bad[rank]}" if rank is not None else f"timed out after {timeout_s} s"
+            raise CalibrationError(f"local calibration failed: {what}. {tail}".strip())
+        return json.loads(result_file.read_text())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m topomesh.cost.calibrate",
+                                     description="Per-rank collective calibration (run under torchrun).")
+    add_sweep_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        result = worker(args)
+    except CalibrationError as exc:
+        print(f"topomesh calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    if result is not None:
+        print(f"wrote {result['profile']} ({result['sweep_seconds']:.1f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
