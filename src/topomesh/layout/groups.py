@@ -1,0 +1,113 @@
+"""The one module that creates torch process groups and device meshes.
+
+Everything here is collective: every rank of the default process group must call the
+same function with the same arguments in the same order (torch requires that of
+``new_group`` and ``DeviceMesh``). The arguments come from pure functions of the
+topology file and the layout, so every rank computes them identically.
+
+* :func:`build_mesh` — a ``DeviceMesh`` whose dims are the layout's mesh axes and whose
+  rank tensor is the placement (physical ranks, not ``arange``), built with
+  ``DeviceMesh(device_type, mesh_tensor, mesh_dim_names=...)``; torch creates one
+  process group per dim.
+* :func:`axis_groups` — the process group of each axis for this rank (``mesh.get_group``).
+* :func:`flatten` — several axes as one dim (e.g. ``dp`` = dp_replicate × dp_shard).
+* :func:`replica_groups` / :func:`hsdp_mesh` — torch groups and an HSDP mesh from a
+  :class:`~topomesh.layout.replicas.ReplicaGrouping`.
+
+Backends: gloo for ``cpu``, NCCL for ``cuda`` (:func:`backend_for`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from topomesh.errors import LayoutError
+from topomesh.layout.dims import Axis
+from topomesh.layout.place import Placement
+from topomesh.layout.replicas import ReplicaGrouping, hsdp_mesh_ranks
+
+
+def default_device_type() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device_type: str) -> str:
+    """The collective backend for a device type: NCCL for ``cuda``, gloo otherwise."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def ensure_process_group(device_type: str) -> None:
+    """Initialise the default process group from the launcher's environment if needed.
+
+    On ``cuda`` also selects the GPU of ``LOCAL_RANK``. Does nothing when a group exists.
+    """
+    if device_type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device_type))
+
+
+def build_mesh(placement: Placement, device_type: str) -> DeviceMesh:
+    """The placement as a ``DeviceMesh`` with named dims (``layout.mesh_axes``)."""
+    world = dist.get_world_size()
+    layout = placement.layout
+    if layout.world_size != world:
+        raise LayoutError(f"the layout needs {layout.world_size} ranks but the process group has {world}")
+    names = tuple(a.value for a in layout.mesh_axes)
+    return DeviceMesh(device_type, torch.as_tensor(placement.mesh()), mesh_dim_names=names)
+
+
+def axis_groups(mesh: DeviceMesh) -> dict[Axis, dist.ProcessGroup]:
+    """This rank's process group along every named dim of ``mesh``."""
+    names = mesh.mesh_dim_names or ()
+    return {Axis.parse(n): mesh.get_group(n) for n in names}
+
+
+def flatten(mesh: DeviceMesh, axes: Iterable[Axis | str], name: str) -> DeviceMesh:
+    """A 1-D mesh over several dims of ``mesh`` taken together (``DeviceMesh._flatten``).
+
+    Example: ``flatten(mesh, ["dp_replicate", "dp_shard"], "dp")`` for the loss all-reduce
+    of HSDP. The dims must appear in ``mesh`` in the order given. Uses a private torch
+    method (checked on torch 2.13).
+    """
+    names = tuple(Axis.parse(a).value for a in axes)
+    missing = [n for n in names if n not in (mesh.mesh_dim_names or ())]
+    if missing:
+        raise LayoutError(f"the mesh has no dims {missing}; it has {list(mesh.mesh_dim_names or ())}")
+    return mesh[names]._flatten(name)
+
+
+def replica_groups(
+    grouping: ReplicaGrouping, replica_ranks: Sequence[int] | None = None, *, backend: str | None = None
+) -> tuple[dist.ProcessGroup, list[dist.ProcessGroup]]:
+    """One torch group per replica group; returns (this rank's group, all groups).
+
+    ``replica_ranks[r]`` is the torch rank of replica ``r`` (identity by default), so a
+    grouping over data-parallel replicas maps onto the ranks a placement chose for them.
+    """
+    ranks = list(range(grouping.num_replicas)) if replica_ranks is None else list(replica_ranks)
+    if len(ranks) != grouping.num_replicas:
+        raise LayoutError(f"{len(ranks)} ranks given for {grouping.num_replicas} replicas")
+    lists = [[ranks[r] for r in g] for g in grouping.groups()]
+    mine, groups = dist.new_subgroups_by_enumeration(lists, backend=backend)
+    return mine, groups
+
+
+def hsdp_mesh(
+    shard: ReplicaGrouping, device_type: str, replica_ranks: Sequence[int] | None = None
+) -> DeviceMesh:
+    """A 2-D ``(dp_replicate, dp_shard)`` mesh whose shard groups are ``shard``'s groups.
+
+    The replicate dim is then ``shard.transpose()`` — what FSDP2's ``fully_shard`` with a
+    2-D mesh (HSDP) all-reduces over.
+    """
+    mesh = hsdp_mesh_ranks(shard, replica_ranks)
+    return DeviceMesh(
+        device_type, torch.as_tensor(mesh), mesh_dim_names=(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)
+    )
