@@ -47,6 +47,9 @@ def resolve_layout(layout_or_degrees: Degrees, world_size: int, *, order: str | 
     else:
         deg = {Axis.parse(k): int(v) for k, v in layout_or_degrees.items()}
         free = [a for a, v in deg.items() if v == -1]
+        bad = {a.value: v for a, v in deg.items() if v < 1 and v != -1}
+        if bad:
+            raise LayoutError(f"degrees must be positive (or -1 for the rest of the world), got {bad}")
         if len(free) > 1:
             raise LayoutError(f"only one degree may be -1, got {[a.value for a in free]}")
         if free:

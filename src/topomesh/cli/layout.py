@@ -1,0 +1,78 @@
+"""``topomesh layout SOURCE --tp 8 --pp 2 ...``: place a layout on a topology and show it.
+
+SOURCE is any topology file ``topomesh show`` reads (v0.1 JSON, compact, NCCL XML,
+``nvidia-smi topo -m``). A host-level file describes one host; ``--hosts N`` makes a
+world of N such hosts, numbered host after host (``--rank-order contiguous``, torchrun's
+default) or round-robin over hosts (``round-robin``), to see what placement fixes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from rich.console import Console
+
+from topomesh.errors import LayoutError
+from topomesh.layout.api import resolve_layout
+from topomesh.layout.dims import Axis
+from topomesh.layout.place import Strategy
+from topomesh.report.layout import layout_to_dict, render_layout
+from topomesh.topology.api import read_source
+from topomesh.topology.build import build_topology
+from topomesh.topology.model import RankInfo, Topology
+
+HELP = "Place a parallel layout (tp, pp, dp, ...) on a topology: ranks, groups and the links each axis crosses."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="SOURCE", help="topology file (v0.1/compact JSON, NCCL XML, nvidia-smi topo -m)")
+    for axis in Axis:
+        flag = "--" + axis.value.replace("_", "-")
+        parser.add_argument(flag, dest=axis.value, type=int, default=1, metavar="N",
+                            help=f"{axis.value} degree (default 1; -1 = the rest of the world)")
+    parser.add_argument("--dp", dest="dp_alias", type=int, default=None, metavar="N", help="alias of --dp-replicate")
+    parser.add_argument("--order", default=None, help="axes fastest first, e.g. tp-cp-ep-dp_shard-dp_replicate-pp (the default)")
+    parser.add_argument("--strategy", choices=[s.value for s in Strategy], default=Strategy.TOPOLOGY.value,
+                        help="topology: locality-aware placement (default); rank-order: logical rank i on rank i")
+    parser.add_argument("--hosts", type=int, default=None, metavar="N", help="repeat a one-host SOURCE into N hosts")
+    parser.add_argument("--rank-order", choices=["contiguous", "round-robin"], default="contiguous",
+                        help="with --hosts: how ranks are numbered over the hosts")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
+
+
+def _replicate(topo: Topology, n: int, round_robin: bool) -> Topology:
+    if len(topo.hosts) != 1:
+        raise LayoutError(f"--hosts needs a one-host SOURCE, this one has {len(topo.hosts)} hosts")
+    if n < 1:
+        raise LayoutError(f"--hosts must be at least 1, got {n}")
+    base = topo.hosts[0]
+    hosts = [dataclasses.replace(base, hostname=f"{base.hostname}-{i}") for i in range(n)]
+    per = topo.world_size
+    ranks = []
+    for r in range(n * per):
+        h, local = (r % n, r // n) if round_robin else (r // per, r % per)
+        ranks.append(RankInfo(rank=r, host=h, local_rank=local, device=topo.ranks[local].device))
+    return build_topology(hosts, ranks, source=topo.source)
+
+
+def run(args: argparse.Namespace) -> int:
+    topo = read_source(args.source)
+    if args.hosts is not None:
+        topo = _replicate(topo, args.hosts, args.rank_order == "round-robin")
+    elif args.rank_order != "contiguous":
+        raise LayoutError("--rank-order needs --hosts")
+    degrees = {a.value: getattr(args, a.value) for a in Axis}
+    if args.dp_alias is not None:
+        if degrees["dp_replicate"] != 1:
+            raise LayoutError("give --dp or --dp-replicate, not both")
+        degrees["dp_replicate"] = args.dp_alias
+    layout = resolve_layout(degrees, topo.world_size, order=args.order)
+    if args.json:
+        json.dump(layout_to_dict(topo, layout, args.strategy), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        Console().print(render_layout(topo, layout, args.strategy))
+    return 0
