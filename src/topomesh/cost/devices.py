@@ -311,10 +311,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
-def cpu_spec(*, directory: Path | None = None, refresh: bool = False) -> DeviceSpec:
+def cpu_spec(*, directory: Path | None = None, refresh: bool = False, **measure: Any) -> DeviceSpec:
     """This CPU's spec: read from the cache, or measured (:func:`measure_cpu`) and cached.
 
-    The cache file is keyed by :func:`cpu_fingerprint`; ``refresh=True`` re-measures.
+    The cache file is keyed by :func:`cpu_fingerprint`; ``refresh=True`` re-measures;
+    ``measure`` goes to :func:`measure_cpu` (sizes, time budget).
     """
     path = _cpu_cache_path(directory or cache_dir())
     if not refresh and path.is_file():
@@ -324,7 +325,7 @@ def cpu_spec(*, directory: Path | None = None, refresh: bool = False) -> DeviceS
                 return DeviceSpec.from_dict(raw, source=str(path))
         except (OSError, json.JSONDecodeError, CalibrationError):
             pass  # unreadable cache: measure again and overwrite it
-    spec = measure_cpu()
+    spec = measure_cpu(**measure)
     write_json_atomic(path, spec.to_dict())
     return spec
 
