@@ -87,3 +87,59 @@ def test_restart_after_worker_failure_rebuilds_file(agents: Agents) -> None:
     assert any(n.startswith("topology-r0-") for n in names) and any(n.startswith("topology-r1-") for n in names)
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE(run_dir.parent.stat().st_mode) == 0o700
+
+
+def _wait_for(cond, timeout: float, what: str, agents: Agents, *procs) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"agent exited ({p.returncode}) while waiting for {what}:\n{agents.log(p)[-3000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}:\n" + "\n".join(agents.log(p)[-2000:] for p in procs))
+
+
+def test_elastic_scale_down_rebuilds_file_for_new_world(agents: Agents) -> None:
+    """--nnodes=1:2: node b is killed (agent and workers) while a 4-rank world trains;
+    node a's collectives fail, it re-forms alone and its new file has WORLD_SIZE 2."""
+    port = free_port()
+    conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60"
+    common = ["--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d", *_rdzv(port, "elastic"),
+              "--max-restarts=2", f"--topology-dir={agents.tmp / 'topo'}"]
+    env = {"CHECK_HOLD": "1"}
+    a = agents.start("a", [*common, f"--rdzv-conf=is_host=1,{conf}"], sysfs="dgx-h100-8gpu-8ib", env=env)
+    wait_listening(port)
+    b = agents.start("b", [*common, f"--rdzv-conf=is_host=0,{conf}"], sysfs="pcie-4gpu-2numa", env=env)
+
+    def reports(world: int) -> list[dict]:
+        return [r for r in agents.reports() if r["world_size"] == world]
+
+    _wait_for(lambda: len(reports(4)) == 4, 60, "the 4-rank round", agents, a, b)
+    four = reports(4)
+    assert len({r["bytes"] for r in four}) == 1
+    round4 = four[0]["file_restart_count"]
+    victims = agents.worker_pids(b.pid)
+    assert len(victims) >= 2
+    agents.kill(b)
+    for pid in victims:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+    def survivors() -> list[dict]:
+        return [r for r in reports(2) if r["file_restart_count"] > round4]
+
+    _wait_for(lambda: len(survivors()) == 2, 60, "the re-formed 2-rank round", agents, a)
+    (agents.out / "release").touch()
+    assert agents.wait(a) == 0, agents.log(a)[-3000:]
+    after = survivors()
+    assert sorted(r["rank"] for r in after) == [0, 1]
+    assert len({r["bytes"] for r in after}) == 1
+    assert all(set(r["hostnames"]) == {"dgx-h100-8gpu-8ib"} for r in after)
+    assert after[0]["kinds"]["0,1"] == "NVSwitch"
+    assert after[0]["file"] != four[0]["file"]

@@ -8,7 +8,8 @@ count at 0.
 Env knobs: ``CHECK_EXPECT`` = JSON ``{"same": {hostname: kind}, "cross": kind}`` to assert
 link kinds for every pair; ``CHECK_FAIL_RANK`` = a rank that exits 3 in round 0 while the
 others wait to be restarted; ``CHECK_GLOO`` = 1 to all-reduce over gloo; ``CHECK_HOLD`` =
-1 to keep round-0 workers in a gloo all-reduce loop until a peer disappears.
+1 to all-reduce in a loop until the test creates ``$CHECK_OUT/release`` (the report is
+written before the loop), so a node that disappears makes the others' collectives fail.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> int:
             return 3
         time.sleep(120)  # the agent restarts us when it sees the failed node rejoin
         return 4
+    out = Path(os.environ["CHECK_OUT"]) / f"rank{rank}-r{round_}-w{world}.json"
     if os.environ.get("CHECK_GLOO") == "1" or os.environ.get("CHECK_HOLD") == "1":
         import torch
         import torch.distributed as dist
@@ -72,12 +74,13 @@ def main() -> int:
         t = torch.ones(1)
         dist.all_reduce(t)
         report["allreduce"] = t.item()
-        if os.environ.get("CHECK_HOLD") == "1" and world > 2:
-            while True:  # until a peer node dies and the collective fails
+        if os.environ.get("CHECK_HOLD") == "1":
+            out.write_text(json.dumps(report))
+            release = Path(os.environ["CHECK_OUT"]) / "release"
+            while not release.exists():  # a collective per step, as training would do
                 dist.all_reduce(t)
                 time.sleep(0.2)
         dist.destroy_process_group()
-    out = Path(os.environ["CHECK_OUT"]) / f"rank{rank}-r{round_}-w{world}.json"
     out.write_text(json.dumps(report))
     return 0
 
