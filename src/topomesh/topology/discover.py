@@ -42,8 +42,8 @@ _GPU_CLASSES = (0x0300, 0x0302)  # VGA-compatible / 3D controller (PCI class cod
 _NVSWITCH_CLASS = 0x0680  # bridge, other: how NVSwitches appear on the PCI bus
 _ARPHRD_INFINIBAND = 32  # /sys/class/net/*/type of an IPoIB netdev
 
-_BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-_HOST_BRIDGE = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$")
+_BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$", re.IGNORECASE)
+_HOST_BRIDGE = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$", re.IGNORECASE)
 _GTPS = re.compile(r"^\s*([0-9.]+)\s*GT/s")
 _IB_RATE = re.compile(r"^\s*([0-9.]+)\s*Gb/sec")
 # PCIe generation by per-lane transfer rate (PCI-SIG base specifications, Gen1..Gen6).
