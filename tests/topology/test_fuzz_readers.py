@@ -1,0 +1,302 @@
+"""Every topology reader, fed thousands of damaged inputs, raises TopologyError or succeeds.
+
+Inputs are mutations of the real dumps in shared/data, of the hand-written inputs under
+``tests/fixtures/inputs`` and of v0.1 / compact documents written by ``api.dumps``: dropped
+keys, values of the wrong type, random strings and numbers, truncation, byte flips and
+token swaps. Whatever a reader accepts must be a usable :class:`Topology` (every pair has
+a symmetric connection) that the ``topomesh show`` report can render.
+
+Runs are deterministic (``derandomize``); ``TOPOMESH_FUZZ_EXAMPLES=5000`` explores more,
+with fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from topomesh.errors import TopologyError
+from topomesh.report.topology import topology_report
+from topomesh.topology import api
+from topomesh.topology.build import build_topology, default_placement, single_host_topology
+from topomesh.topology.formats import compact, rfc
+from topomesh.topology.model import Connection, Host, Topology
+
+from .helpers import cpu_host, dgx_host, pcie_host
+
+TESTS = Path(__file__).resolve().parents[1]
+SHARED = TESTS.parent.parent / "shared" / "data" / "real"
+INPUTS = TESTS / "fixtures" / "inputs"
+
+_EXAMPLES = int(os.environ.get("TOPOMESH_FUZZ_EXAMPLES", "0"))
+
+
+def _settings(n: int) -> settings:
+    return settings(
+        max_examples=_EXAMPLES or n,
+        deadline=None,
+        derandomize=not _EXAMPLES,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
+
+
+def _worlds() -> list[Topology]:
+    two = [dgx_host("a", gpus=2), dgx_host("b", gpus=2)]
+    mixed = [pcie_host("p"), cpu_host("c", sockets=2)]
+    return [
+        single_host_topology(pcie_host("box")),
+        build_topology(two, default_placement(two, [2, 2]), run_id="job-1", restart_count=0),
+        build_topology(mixed, default_placement(mixed, [2, 1])),
+    ]
+
+
+WORLDS = _worlds()
+DENSE_DOCS = [json.loads(api.dumps(t, "dense")) for t in WORLDS] + [
+    json.loads((TESTS / "golden" / f"rfc_example_variant_{v}.json").read_text()) for v in "ab"
+]
+COMPACT_DOCS = [json.loads(api.dumps(t, "compact")) for t in WORLDS]
+HOST_DOCS = [h.to_dict() for t in WORLDS for h in t.hosts]
+TEXTS = (
+    [p.read_text() for p in sorted(SHARED.glob("*/*")) if p.suffix in (".xml", ".txt")]
+    + [p.read_text() for p in sorted(INPUTS.glob("*.*"))]
+    + [api.dumps(t, form) for t in WORLDS[:2] for form in ("dense", "compact")]
+)
+
+# values that broke readers elsewhere: wrong types, edge numbers, lookalike names
+_ODD = st.sampled_from(
+    ["", "-1", "0", "1e400", "NaN", "inf", "-0", "0x10", "GPU0", "GPU99", "NIC0", "X", "NV0", "NV18",
+     "PCIe", "IB", "SYS", "LOC", "0.1", "1.5", "us", "GB/s", "ms", "Mb/s", "null", "host0", "a", "b"]
+)
+_SCALARS = (
+    st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=6) | _ODD
+)
+_JSON = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5) | _ODD, inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _slots(doc: Any, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """Every (container, key) place in a JSON tree."""
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out.append((doc, k))
+            _slots(v, out)
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out.append((doc, i))
+            _slots(v, out)
+    return out
+
+
+def _retype(value: Any) -> Any:
+    """The same value in another JSON type: "12" → 12, 12 → "12", [x] → x, ..."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return [value]
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, list):
+        return value[0] if value else {}
+    if isinstance(value, dict):
+        return list(value.values())
+    return 0
+
+
+@st.composite
+def mutated_doc(draw: st.DrawFn, seeds: list[Any]) -> Any:
+    doc = copy.deepcopy(draw(st.sampled_from(seeds)))
+    for _ in range(draw(st.integers(1, 3))):
+        slots = _slots(doc, [])
+        if not slots:
+            return draw(_JSON)
+        container, key = draw(st.sampled_from(slots))
+        op = draw(st.sampled_from(["drop", "replace", "retype", "rename", "copy"]))
+        if op == "drop":
+            del container[key]
+        elif op == "replace":
+            container[key] = draw(_JSON)
+        elif op == "retype":
+            container[key] = _retype(container[key])
+        elif op == "rename" and isinstance(container, dict):
+            container[draw(_ODD | st.text(max_size=4))] = container.pop(key)
+        elif op == "copy":
+            other_container, other_key = draw(st.sampled_from(slots))
+            container[key] = copy.deepcopy(other_container[other_key])
+    return doc
+
+
+_TOKEN = re.compile(r"[A-Za-z_]+|\d+(?:\.\d+)?")
+
+
+@st.composite
+def mutated_text(draw: st.DrawFn, seeds: list[str]) -> str:
+    text = draw(st.sampled_from(seeds))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["token", "token", "truncate", "flip", "insert", "delete", "splice"]))
+        pos = draw(st.integers(0, len(text)))
+        if op == "token":
+            tokens = list(_TOKEN.finditer(text))
+            if tokens:
+                m = draw(st.sampled_from(tokens))
+                text = text[: m.start()] + draw(_ODD | st.text(max_size=5)) + text[m.end() :]
+        elif op == "truncate":
+            text = text[:pos]
+        elif op == "flip" and text:
+            i = min(pos, len(text) - 1)
+            text = text[:i] + chr(ord(text[i]) ^ (1 << draw(st.integers(0, 6)))) + text[i + 1 :]
+        elif op == "insert":
+            text = text[:pos] + draw(st.text(max_size=12) | _ODD) + text[pos:]
+        elif op == "delete":
+            end = draw(st.integers(pos, min(len(text), pos + 80)))
+            text = text[:pos] + text[end:]
+        elif op == "splice":
+            other = draw(st.sampled_from(seeds))
+            cut = draw(st.integers(0, len(other)))
+            text = text[:pos] + other[cut:]
+    return text
+
+
+def _ill_typed(host: Host) -> str | None:
+    """A field of ``host`` whose type the model does not allow, if any.
+
+    ``Host.from_dict`` (model.py) does not check field types yet, so ``"arch": ["sm90"]``
+    gets in and breaks hashing later; see ``test_host_from_dict_rejects_wrong_types``.
+    """
+    types = {
+        "id": str, "name": str, "index": int, "pci_bus_id": str | None, "numa_node": int | None,
+        "arch": str | None, "memory_bytes": int | None, "speed_Gbps": int | float | None,
+        "a": str, "b": str, "nvlink_count": int, "bandwidth_GBps": int | float | None,
+    }
+    for item in (*host.devices, *host.nics, *host.paths):
+        for name, want in types.items():
+            if hasattr(item, name):
+                value = getattr(item, name)
+                if isinstance(value, bool) or not isinstance(value, want):
+                    return f"{type(item).__name__}.{name}={value!r}"
+    return None
+
+
+def _usable(result: Topology) -> None:
+    """A topology a reader accepted works for every query the report makes."""
+    assert isinstance(result, Topology)
+    # known model.py gap (strict xfail below): skip inputs it lets through, keep fuzzing the rest
+    assume(not any(_ill_typed(h) for h in result.hosts))
+    n = result.world_size
+    if n > 64:
+        return
+    for a in range(n):
+        for b in range(n):
+            c = result.connection(a, b)
+            assert isinstance(c, Connection)
+            assert c == result.connection(b, a), f"connection({a}, {b}) differs from connection({b}, {a})"
+    topology_report(result)  # builds every table and the matrix (printing them adds only layout)
+
+
+def _only_topology_errors(read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except TopologyError as exc:
+        assert str(exc), "a TopologyError must say what is wrong"
+        return None
+
+
+@_settings(700)
+@given(mutated_text(TEXTS))
+def test_parse_text_any_format(text: str) -> None:
+    result = _only_topology_errors(lambda: api.parse_text(text, source="fuzz"))
+    if result is not None:
+        _usable(result)
+
+
+@_settings(400)
+@given(mutated_doc(DENSE_DOCS))
+def test_rfc_from_dict(doc: Any) -> None:
+    result = _only_topology_errors(lambda: rfc.from_dict(doc, source="fuzz"))
+    if result is not None:
+        _usable(result)
+
+
+@_settings(500)
+@given(mutated_doc(COMPACT_DOCS))
+def test_compact_from_dict(doc: Any) -> None:
+    result = _only_topology_errors(lambda: compact.from_dict(doc, source="fuzz"))
+    if result is not None:
+        _usable(result)
+
+
+@_settings(500)
+@given(mutated_doc(HOST_DOCS))
+def test_host_from_dict(doc: Any) -> None:
+    host = _only_topology_errors(lambda: Host.from_dict(doc, source="fuzz"))
+    if host is not None:
+        assert isinstance(host, Host)
+        assume(_ill_typed(host) is None)
+        _usable(single_host_topology(host))
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Any:
+    with tempfile.TemporaryDirectory(prefix="topomesh-fuzz-") as d:
+        yield Path(d)
+
+
+@_settings(300)
+@given(data=st.data())
+def test_read_source_on_damaged_bytes(scratch: Path, data: st.DataObject) -> None:
+    seed = data.draw(st.sampled_from(TEXTS)).encode()
+    raw = bytearray(seed)
+    for _ in range(data.draw(st.integers(1, 6))):
+        if raw and data.draw(st.booleans()):
+            i = data.draw(st.integers(0, len(raw) - 1))
+            raw[i] ^= 1 << data.draw(st.integers(0, 7))
+        else:
+            raw = bytearray(data.draw(st.binary(max_size=64))) + raw[data.draw(st.integers(0, len(raw))) :]
+    path = scratch / "input"
+    path.write_bytes(bytes(raw))
+    result = _only_topology_errors(lambda: api.read_source(path))
+    if result is not None:
+        _usable(result)
+
+
+def test_paths_that_are_not_files(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="no such file"):
+        api.read_source(tmp_path / "missing.json")
+    with pytest.raises(TopologyError, match="is a directory"):
+        api.read_source(tmp_path)
+
+
+@pytest.mark.parametrize("path", sorted((INPUTS / "damaged").iterdir()), ids=lambda p: p.name)
+def test_damaged_inputs_raise_topology_error_with_file_name(path: Path) -> None:
+    with pytest.raises(TopologyError) as info:
+        api.read_source(path)
+    assert info.value.source == str(path)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="model.py: Host.from_dict does not check field types; a list as arch is accepted and "
+    "build_topology then fails with TypeError (unhashable type: 'list') instead of TopologyError",
+)
+def test_host_from_dict_rejects_wrong_types() -> None:
+    doc = pcie_host("box").to_dict()
+    doc["devices"][0]["arch"] = ["sm86"]
+    with pytest.raises(TopologyError):
+        single_host_topology(Host.from_dict(doc, source="fuzz"))
