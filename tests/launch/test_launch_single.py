@@ -1,0 +1,112 @@
+"""`topomesh launch` on one node: --standalone, isolation of jobs, bad run ids, file mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch.conftest import Agents, free_port
+from topomesh.topology.api import read_source
+
+pytestmark = pytest.mark.slow
+
+
+def test_standalone_two_jobs_at_once_never_share_files(agents: Agents) -> None:
+    """Two standalone jobs on one host, same topology base directory, same time."""
+    base = agents.tmp / "topo"
+    out_a, out_b = agents.tmp / "out-a", agents.tmp / "out-b"
+    out_a.mkdir()
+    out_b.mkdir()
+    expect = json.dumps({"same": {"nvlink-bridge-2gpu": "NVLink"}, "cross": "NIC"})
+    args = ["--standalone", "--nproc-per-node=2", f"--topology-dir={base}"]
+    a = agents.start("a", args, sysfs="nvlink-bridge-2gpu", env={"CHECK_OUT": str(out_a), "CHECK_EXPECT": expect})
+    b = agents.start("b", args, sysfs="nvlink-bridge-2gpu", env={"CHECK_OUT": str(out_b), "CHECK_EXPECT": expect})
+    assert agents.wait(a) == 0, agents.log(a)[-3000:]
+    assert agents.wait(b) == 0, agents.log(b)[-3000:]
+    ra = [json.loads(f.read_text()) for f in sorted(out_a.glob("rank*.json"))]
+    rb = [json.loads(f.read_text()) for f in sorted(out_b.glob("rank*.json"))]
+    assert len(ra) == len(rb) == 2
+    files_a, files_b = {r["file"] for r in ra}, {r["file"] for r in rb}
+    assert len(files_a) == len(files_b) == 1 and files_a.isdisjoint(files_b)
+    run_a, run_b = ra[0]["run_id"], rb[0]["run_id"]
+    assert run_a != run_b  # each standalone job has its own uuid run id...
+    assert Path(files_a.pop()).parent == base / run_a  # ...and its own directory
+    assert Path(files_b.pop()).parent == base / run_b
+    assert sorted(p.name for p in base.iterdir()) == sorted([run_a, run_b])
+    for run in (run_a, run_b):
+        assert stat.S_IMODE((base / run).stat().st_mode) == 0o700
+    assert ra[0]["kinds"]["0,1"] == "NVLink"
+
+
+def _launch(tmp: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    e.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "topomesh.launch", "--log-dir", str(tmp / "logs"), *args],
+        env=e, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_run_id_that_escapes_the_directory_is_rejected(tmp_path: Path) -> None:
+    port = free_port()
+    evil = "../../escaped"
+    res = _launch(
+        tmp_path, "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={evil}", f"--topology-dir={tmp_path / 'topo'}",
+        "-m", "json.tool", "--help",
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("topomesh: error: run id '../../escaped' looks like a path"), last
+    assert not (tmp_path / "escaped").exists() and not (tmp_path.parent / "escaped").exists()
+
+
+def test_topology_file_is_passed_through_and_world_size_checked(tmp_path: Path) -> None:
+    from topomesh.topology.api import save_topology
+    from topomesh.topology.build import single_host_topology
+    from topomesh.topology.discover import discover_host
+    from tests.launch.conftest import SYSFS
+
+    host = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
+    given = tmp_path / "given.json"
+    save_topology(single_host_topology(host, 2), given)
+    script = tmp_path / "show.py"
+    script.write_text("import os; print('FILE=' + os.environ['WORLD_TOPOLOGY_FILE'])\n")
+    ok = _launch(tmp_path, "--standalone", "--nproc-per-node=2", f"--topology={given}", str(script))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.stdout.count(f"FILE={given}") == 2
+    bad = _launch(tmp_path, "--standalone", "--nproc-per-node=1", f"--topology={given}", str(script))
+    assert bad.returncode == 2
+    assert "describes 2 ranks, but this round has WORLD_SIZE=1" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_topology_off_is_plain_torchrun_and_failures_keep_torchrun_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("import os, sys; print('ENV=' + str('WORLD_TOPOLOGY_FILE' in os.environ)); sys.exit(int(os.environ['RANK']) * 7)\n")
+    res = _launch(tmp_path, "--standalone", "--nproc-per-node=2", "--topology=off", str(script))
+    assert res.stdout.count("ENV=False") == 2
+    assert res.returncode == 1  # torchrun's exit code for a failed worker
+    assert "Root Cause (first observed failure)" in res.stderr and "exitcode  : 7" in res.stderr
+
+
+def test_probe_marks_cross_node_links_measured(agents: Agents) -> None:
+    port = free_port()
+    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+              "--rdzv-id=probe", "--topology-probe", "--topology-probe-budget=1", f"--topology-dir={agents.tmp / 't'}"]
+    a = agents.start("a", common, sysfs="nvlink-bridge-2gpu")
+    b = agents.start("b", common, sysfs="cpu-only")
+    assert agents.wait(a) == 0, agents.log(a)[-3000:]
+    assert agents.wait(b) == 0, agents.log(b)[-3000:]
+    reports = agents.reports()
+    assert len(reports) == 2 and len({r["bytes"] for r in reports}) == 1
+    topo = read_source(reports[0]["file"])
+    c = topo.connection(0, 1)
+    assert c.measured and c.kind.value == "NIC"
+    assert 0 < c.latency_us < 10_000 and c.bandwidth_GBps > 0.01  # loopback TCP
+    assert not topo.connection(0, 0).measured
