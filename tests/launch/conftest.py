@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,10 +70,8 @@ class Agents:
 
     def kill(self, p: subprocess.Popen[bytes]) -> None:
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the agent's own session: it and its workers
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # the agent's own session (workers have their own)
             p.wait(10)
 
     def worker_pids(self, agent_pid: int | None = None) -> list[int]:
@@ -94,10 +93,8 @@ class Agents:
             self.kill(p)
             p.log_file.close()  # type: ignore[attr-defined]
         for pid in self.worker_pids():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture

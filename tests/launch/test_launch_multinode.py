@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -126,10 +127,8 @@ def test_elastic_scale_down_rebuilds_file_for_new_world(agents: Agents) -> None:
     assert len(victims) >= 2
     agents.kill(b)
     for pid in victims:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
 
     def survivors() -> list[dict]:
         return [r for r in reports(2) if r["file_restart_count"] > round4]

@@ -68,10 +68,10 @@ def test_run_id_that_escapes_the_directory_is_rejected(tmp_path: Path) -> None:
 
 
 def test_topology_file_is_passed_through_and_world_size_checked(tmp_path: Path) -> None:
+    from tests.launch.conftest import SYSFS
     from topomesh.topology.api import save_topology
     from topomesh.topology.build import single_host_topology
     from topomesh.topology.discover import discover_host
-    from tests.launch.conftest import SYSFS
 
     host = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
     given = tmp_path / "given.json"
