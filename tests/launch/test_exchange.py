@@ -1,0 +1,130 @@
+"""The node/world exchange without processes: validation, limits, leader errors."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tests.launch.conftest import SYSFS
+from topomesh.errors import LaunchError
+from topomesh.launch import exchange as ex
+from topomesh.topology.discover import discover_host
+from topomesh.topology.model import Device, DeviceKind, Host
+
+
+@pytest.fixture(scope="module")
+def dgx() -> Host:
+    return discover_host(SYSFS / "dgx-h100-8gpu-8ib")
+
+
+def _entry(host: Host, g: int, n: int = 2, base: int | None = None) -> ex.NodeEntry:
+    base = g * n if base is None else base
+    return ex.NodeEntry(
+        group_rank=g,
+        host=host,
+        workers=tuple(ex.WorkerSlot(global_rank=base + i, local_rank=i, device=f"GPU{i}") for i in range(n)),
+    )
+
+
+def test_node_roundtrip_and_real_host_size(dgx: Host) -> None:
+    blob = ex.encode_node(_entry(dgx, 1))
+    assert ex.decode_node(blob, group_rank=1) == _entry(dgx, 1)
+    assert len(blob) < ex.MAX_NODE_BYTES // 10  # a DGX host is far below the limit
+
+
+@pytest.mark.parametrize(
+    ("mutate", "why"),
+    [
+        (lambda d: b"x" * (ex.MAX_NODE_BYTES + 1), "more than the limit of 1048576"),
+        (lambda d: b"\xff\xfe", "not UTF-8 JSON"),
+        (lambda d: b"[1, 2]", "expected a JSON object"),
+        (lambda d: json.dumps({**d, "format": "other/9"}).encode(), "format is 'other/9'"),
+        (lambda d: json.dumps({**d, "group_rank": 0}).encode(), "claims group rank 0"),
+        (lambda d: json.dumps({**d, "workers": [[2, 0, "GPU9"]]}).encode(), "no device 'GPU9'"),
+        (lambda d: json.dumps({**d, "workers": [[-1, 0, None]]}).encode(), "global rank must be an integer >= 0"),
+        (lambda d: json.dumps({**d, "restart_count": "1"}).encode(), "restart_count must be an integer"),
+        (lambda d: json.dumps({**d, "host": {"hostname": ""}}).encode(), "hostname must be a non-empty string"),
+        (lambda d: _with_device_field(d, "arch", ["sm90"]), "arch must be str"),
+        (lambda d: _with_device_field(d, "index", "0"), "index must be int"),
+        (lambda d: json.dumps(d, separators=(",", ":")).replace('"speed_Gbps":400.0', '"speed_Gbps":NaN').encode(), "speed_Gbps must be float"),
+    ],
+)
+def test_bad_node_entries_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
+    doc = json.loads(ex.encode_node(_entry(dgx, 1)))
+    with pytest.raises(LaunchError) as info:
+        ex.decode_node(mutate(doc), group_rank=1)
+    msg = str(info.value)
+    assert msg.startswith("node 1 published a topology entry that was rejected"), msg
+    assert why in msg, msg
+
+
+def _with_device_field(doc: dict, key: str, value: object) -> bytes:
+    doc["host"]["devices"][0][key] = value
+    return json.dumps(doc).encode()
+
+
+def test_world_is_deterministic_and_folds_identical_hosts(dgx: Host) -> None:
+    other = Host(hostname="node-b", devices=dgx.devices, nics=dgx.nics, paths=dgx.paths)
+    entries = [_entry(dgx, 0), _entry(other, 1)]
+    blob = ex.assemble_world(entries)
+    assert blob == ex.assemble_world(entries)
+    doc = json.loads(zlib.decompress(blob))
+    assert len(doc["classes"]) == 1  # one class for two hosts that differ only by name
+    world = ex.decode_world(blob)
+    assert [h.hostname for h in world.hosts] == ["dgx-h100-8gpu-8ib", "node-b"]
+    assert world.hosts[1].path("GPU0", "GPU1") == dgx.path("GPU0", "GPU1")
+    assert [(r.rank, r.host, r.local_rank, r.device) for r in world.ranks] == [
+        (0, 0, 0, "GPU0"), (1, 0, 1, "GPU1"), (2, 1, 0, "GPU0"), (3, 1, 1, "GPU1")
+    ]
+
+
+def test_same_hostname_on_two_nodes_becomes_two_hosts(dgx: Host) -> None:
+    world = ex.decode_world(ex.assemble_world([_entry(dgx, 0), _entry(dgx, 1)]))
+    assert [h.hostname for h in world.hosts] == ["dgx-h100-8gpu-8ib", "dgx-h100-8gpu-8ib~1"]
+
+
+def test_world_rejects_rank_gaps_and_bombs(dgx: Host) -> None:
+    with pytest.raises(LaunchError, match="not 0..3"):
+        ex.assemble_world([_entry(dgx, 0), _entry(dgx, 1, base=3)])
+    bomb = zlib.compress(b" " * (1 << 20))
+    with pytest.raises(LaunchError, match="larger than 1000 bytes"):
+        ex.decode_world(bomb, max_bytes=1000)
+
+
+def test_leader_publishes_the_error_naming_the_bad_node(dgx: Host) -> None:
+    store = dist.HashStore()
+    store.set(ex.node_key("t", 0), ex.encode_node(_entry(dgx, 0)))
+    store.set(ex.node_key("t", 1), b"\x00" * (ex.MAX_NODE_BYTES + 5))
+    with pytest.raises(LaunchError, match="^node 1 published a topology entry that was rejected: it is 1048581 bytes"):
+        ex.lead(store, "t", 2, timeout_s=1)
+    # the other node fails with the same sentence instead of waiting
+    with pytest.raises(LaunchError, match="^node 1 published a topology entry that was rejected"):
+        ex.fetch_world(store, "t", timeout_s=1)
+
+
+def test_leader_names_a_node_that_never_publishes(dgx: Host) -> None:
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    store.set(ex.node_key("t", 0), ex.encode_node(_entry(dgx, 0)))
+    with pytest.raises(LaunchError, match="^node 1 did not publish its topology within 0.2 s"):
+        ex.lead(store, "t", 2, timeout_s=0.2)
+
+
+def test_probe_results_are_validated_and_deduplicated(dgx: Host) -> None:
+    store = dist.HashStore()
+    store.set(ex.probe_key("t", 0), json.dumps({"peer": 1, "latency_us": 12.3456, "bandwidth_GBps": 1.5}))
+    store.set(ex.probe_key("t", 1), json.dumps({"peer": 0, "latency_us": 99.0, "bandwidth_GBps": 9.0}))
+    assert ex.gather_probes(store, "t", 2, timeout_s=1) == [[0, 1, 12.346, 1.5]]
+    store.set(ex.probe_key("t", 1), json.dumps({"peer": 1, "latency_us": 1.0, "bandwidth_GBps": 1.0}))
+    with pytest.raises(LaunchError, match="^node 1 .* impossible probe result"):
+        ex.gather_probes(store, "t", 2, timeout_s=1)
+
+
+def test_cpu_only_entry_without_devices_roundtrips() -> None:
+    host = Host(hostname="c", devices=(Device(id="CPU0", kind=DeviceKind.CPU, index=0),))
+    e = ex.NodeEntry(group_rank=0, host=host, workers=(ex.WorkerSlot(global_rank=0, local_rank=0),))
+    assert ex.decode_node(ex.encode_node(e), group_rank=0) == e

@@ -1,0 +1,144 @@
+"""Private directories, the probe, local placement, hook checks and the parser."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.launch.conftest import SYSFS
+from topomesh.errors import LaunchError
+from topomesh.launch import files, local, probe
+from topomesh.launch.exchange import digest
+from topomesh.topology.build import default_placement
+from topomesh.topology.discover import discover_host
+
+
+@pytest.mark.parametrize("bad", ["..", "../x", "a/b", "a\\b", ".hidden", "", "x\0y", "r" * 201])
+def test_run_ids_that_name_paths_are_rejected(bad: str) -> None:
+    with pytest.raises(LaunchError, match="run id"):
+        files.safe_run_id(bad)
+
+
+def test_run_ids_are_made_safe_and_stay_distinct() -> None:
+    assert files.safe_run_id("job-1.a_b") == "job-1.a_b"
+    assert files.safe_run_id("job 1") != files.safe_run_id("job*1")
+    assert all(c.isalnum() or c in "._-" for c in files.safe_run_id("ü:*? x"))
+
+
+def test_run_directory_is_private_and_files_atomic(tmp_path: Path) -> None:
+    d = files.run_directory("job", tmp_path / "base")
+    assert d == tmp_path / "base" / "job"
+    for p in (d, d.parent):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o700
+    f = files.write_topology_file(d, "{}", restart_count=3)
+    assert f.name == f"topology-r3-{digest('{}')}.json"
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    assert [p.name for p in d.iterdir()] == [f.name]  # no temp file left
+
+
+def test_default_directory_under_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    d = files.run_directory("abc")
+    assert d == tmp_path / f"topomesh-{os.getuid()}" / "abc"
+
+
+def test_open_or_linked_directories_are_refused(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    open_dir.chmod(0o755)
+    with pytest.raises(LaunchError, match="mode 0755"):
+        files.run_directory("job", open_dir)
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    base = tmp_path / "base"
+    base.mkdir(mode=0o700)
+    (base / "job").symlink_to(target)
+    with pytest.raises(LaunchError, match="symlink"):
+        files.run_directory("job", base)
+
+
+def test_probe_measures_loopback() -> None:
+    with probe.ProbeServer("127.0.0.1") as server:
+        got = probe.measure(server.address, budget_s=1.0)
+    assert 0 < got.latency_us < 50_000
+    assert got.bandwidth_GBps > 0.01
+
+
+def test_probe_failure_is_a_launch_error() -> None:
+    with probe.ProbeServer("127.0.0.1") as server:
+        addr = server.address
+    with pytest.raises(LaunchError, match=f"probe of {addr} failed"):
+        probe.measure(addr, budget_s=0.5)
+
+
+def test_measured_overrides_keep_kind_per_rail() -> None:
+    dgx = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
+    pcie = discover_host(SYSFS / "pcie-4gpu-2numa")
+    ranks = default_placement([dgx, pcie], [2, 1])
+    out = probe.measured_overrides([dgx, pcie], ranks, {(0, 1): (20.0, 3.0)})
+    assert sorted(out) == [(0, 2), (1, 2)]
+    assert {c.kind.value for c in out.values()} == {"NIC"}  # IB to Ethernet is Ethernet
+    assert all(c.measured and c.latency_us == 20.0 and c.bandwidth_GBps == 3.0 for c in out.values())
+
+
+def test_local_devices_follow_cuda_visible_devices() -> None:
+    dgx = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
+    assert local.local_devices(dgx, 3) == ["GPU0", "GPU1", "GPU2"]
+    assert local.local_devices(dgx, 2, visible="6,7") == ["GPU6", "GPU7"]
+    assert local.local_devices(dgx, 2, visible="GPU-uuid-a,GPU-uuid-b") == ["GPU0", "GPU1"]
+    cpu = discover_host(SYSFS / "cpu-only")
+    assert local.local_devices(cpu, 1) == ["CPU0"]
+    assert local.local_devices(cpu, 2) == [None, None]  # two processes on one socket: SHM, not LOC
+
+
+def test_discovery_failure_falls_back_to_cpu_only(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    monkeypatch.setenv("TOPOMESH_SYSFS_ROOT", str(tmp_path / "missing"))
+    import topomesh.topology.discover as discover
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("sysfs unreadable")
+
+    monkeypatch.setattr(discover, "discover_host", broken)
+    with caplog.at_level(logging.WARNING, logger="topomesh.launch"):
+        host = local.discover_local_host()
+    assert [d.id for d in host.devices] == ["CPU0"] and not host.nics
+    assert "host discovery failed (OSError: sysfs unreadable)" in caplog.text
+
+
+def test_missing_torchrun_hook_names_the_torch_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from topomesh.launch import agent
+
+    agent.check_hooks()  # present on the installed torch
+    monkeypatch.delattr(LocalElasticAgent, "_set_local_rank_env")
+    with pytest.raises(LaunchError, match=re.escape(f"torch {torch.__version__} lacks") + ".*_set_local_rank_env"):
+        agent.check_hooks()
+
+
+def test_parser_is_torchruns_plus_topology_options() -> None:
+    from torch.distributed.run import get_args_parser
+
+    from topomesh.launch.cli import build_parser, options_from_args
+
+    ours = {s for a in build_parser()._actions for s in a.option_strings}
+    theirs = {s for a in get_args_parser()._actions for s in a.option_strings}
+    assert theirs <= ours
+    assert ours - theirs == {
+        "--topology", "--topology-probe", "--topology-dir", "--topology-form",
+        "--topology-timeout", "--topology-probe-budget",
+    }
+    args = build_parser().parse_args(["--nnodes=1:4", "--topology-form=compact", "--topology-probe", "train.py", "--lr", "1"])
+    assert args.nnodes == "1:4" and args.training_script == "train.py" and args.training_script_args == ["--lr", "1"]
+    opts = options_from_args(args)
+    assert opts.probe and opts.form.value == "compact" and opts.mode.value == "auto"
+    with pytest.raises(LaunchError, match="neither 'auto', 'off' nor an existing file"):
+        options_from_args(build_parser().parse_args(["--topology=/no/such/file", "x.py"]))
