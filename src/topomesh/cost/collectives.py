@@ -313,7 +313,8 @@ def fit_term(samples: Sequence[Sample], upto_bytes: int | None = None) -> Term:
             break
         cols = [c for c in cols if c not in neg]
     beta = full.get(2, 0.0)
-    if not beta > 0:
+    largest = int(np.argmax(a[:, 2]))
+    if not beta * a[largest, 2] > 0.01 * t[largest]:  # the size term explains < 1% at the largest size
         raise CalibrationError(
             f"{samples[0].collective.value}/{samples[0].link.value}: measured times do not grow with size "
             f"(fitted s/byte = {beta:.3g}); widen the size sweep"

@@ -1,0 +1,77 @@
+"""Collective calibration: group planning, and a real 2-process gloo sweep with held-out error."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from topomesh.cli.main import main
+from topomesh.cost.calibrate import SweepConfig, plan_groups, spawn_local
+from topomesh.cost.collectives import collective_time_s, load_profile
+from topomesh.errors import CalibrationError
+from topomesh.topology.model import LinkKind
+from topomesh.trace.graph import CollectiveKind, CollectiveRecord
+
+
+def _link(hosts):
+    return lambda ranks: LinkKind.SHM if len({hosts[r] for r in ranks}) == 1 else LinkKind.NIC
+
+
+def test_groups_per_power_of_two_inside_and_across_hosts():
+    hosts = ["a"] * 4 + ["b"] * 4 + ["c"] * 4 + ["d"] * 4
+    groups = plan_groups(hosts, _link(hosts))
+    got = [(g.ranks, g.scope, g.link) for g in groups]
+    assert got == [
+        ((0, 1), "intra", LinkKind.SHM), ((0, 4), "inter", LinkKind.NIC),
+        ((0, 1, 2, 3), "intra", LinkKind.SHM), ((0, 4, 8, 12), "inter", LinkKind.NIC),
+    ]
+    assert [g.ranks for g in plan_groups(hosts, _link(hosts), max_group=2)] == [(0, 1), (0, 4)]
+    assert plan_groups(["a"], _link(["a"])) == []
+
+
+def test_sweep_config_is_bounded_and_deterministic():
+    cfg = SweepConfig()
+    assert cfg.sizes()[0] == 1024 and cfg.sizes()[-1] == 64 * 2**20 and len(cfg.sizes()) == 17
+    assert cfg.repeats(1024) == 20 and cfg.repeats(64 * 2**20) == 3
+    with pytest.raises(CalibrationError, match="size range"):
+        SweepConfig(min_bytes=10, max_bytes=5)
+
+
+def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_path):
+    out = tmp_path / "profile.json"
+    start = time.monotonic()
+    result = spawn_local(2, ["--min-bytes", "4096", "--max-bytes", str(1024 * 1024), "--factor", "2",
+                             "--collectives", "all_reduce,all_gather,send_recv", "--max-repeats", "8",
+                             "--output", str(out), "--no-progress"], timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 40
+    assert result["profile"] == str(out) and not result["skipped"]
+    prof = load_profile(out)
+    assert prof.backend == "gloo" and prof.cluster_fingerprint == result["cluster_fingerprint"]
+    assert len(prof.meta["samples"]) == 3 * 9  # 3 collectives x 9 sizes (4 KiB .. 1 MiB)
+    for kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.SEND_RECV):
+        model = prof.model(kind, LinkKind.SHM)
+        assert model.fit is not None
+        assert (model.fit.train_points, model.fit.heldout_points) == (5, 4)
+        assert 0 <= model.fit.mean_rel <= model.fit.max_rel
+        assert all(t.busbw_GBps and t.busbw_GBps > 0 for t in model.terms)
+        small, large = (collective_time_s(CollectiveRecord(kind=kind, bytes=b, group_size=2), LinkKind.SHM, prof)
+                        for b in (4096, 2**20))
+        assert 0 < small < large
+
+
+def test_cli_local_json_and_bad_input(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    code = main(["calibrate", "--local", "2", "--json", "--min-bytes", "4096", "--max-bytes", str(2**20),
+                 "--factor", "4", "--collectives", "broadcast", "--output", str(out)])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["skipped"] == {}
+    [model] = data["models"]
+    assert model["collective"] == "broadcast" and model["link"] == "SHM"
+    assert model["fit_error"]["heldout_points"] == 2
+    assert main(["calibrate", "--local", "1"]) == 2
+    assert "at least 2 processes" in capsys.readouterr().err
+    assert main(["calibrate", "--local", "2", "--collectives", "all_sum"]) == 2
