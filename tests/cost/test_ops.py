@@ -59,8 +59,21 @@ def test_small_mm_is_timed_for_real():
     assert "perf_counter" in timing.method
 
 
-def test_scalar_args_are_passed_by_schema():
-    rec = OpRecord(op="aten.sum.dim_IntList", inputs=(A,), outputs=(), args=((1,), True))
+@pytest.mark.parametrize(
+    "op, inputs, args",
+    [
+        ("aten.sum.dim_IntList", (A,), ((1,), True)),
+        # the tracer records a tensor list as a tuple of None placeholders
+        ("aten.cat.default", (A, A, A), ((None, None, None), 1)),
+        # optional tensors: given, then one left out (None among the scalars)
+        ("aten.native_layer_norm.default", (A, TensorMeta(shape=(64,), dtype="float32", stride=(1,))) * 1
+         + (TensorMeta(shape=(64,), dtype="float32", stride=(1,)),), ((64,), 1e-5)),
+        ("aten.native_layer_norm.default", (A, TensorMeta(shape=(64,), dtype="float32", stride=(1,))),
+         ((64,), None, 1e-5)),
+    ],
+)
+def test_scalar_args_are_passed_by_schema(op, inputs, args):
+    rec = OpRecord(op=op, inputs=inputs, outputs=(), args=args)
     assert time_op(rec, "cpu", min_repeats=1, budget_s=0.0).median_s > 0
 
 

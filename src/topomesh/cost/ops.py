@@ -206,21 +206,35 @@ def make_tensor(meta: TensorMeta, device: str) -> Any:
 
 
 def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Positional arguments in schema order: tensors where the schema takes tensors, ``args`` elsewhere."""
+    """Positional arguments in schema order: tensors where the schema takes tensors, ``args`` elsewhere.
+
+    ``args`` are the node's non-tensor positional arguments in order, as the tracer records
+    them (a tensor list shows up there as a tuple of ``None`` placeholders, one per tensor).
+    Ambiguous schemas (an optional tensor given as None before another tensor) may be
+    filled wrongly; the op then fails and is priced by the roofline.
+    """
+    import torch
+
+    def elem(t: Any) -> Any:
+        return t.getElementType() if isinstance(t, torch._C.OptionalType) else t
+
     out: list[Any] = []
     tensors, args = list(tensors), list(args)
     for arg in op._schema.arguments:
         if arg.kwarg_only:
             break
-        typ = str(arg.type)
-        if typ.startswith("Tensor[]") or typ.startswith("List[Tensor]"):
-            out.append(tensors)
-            tensors = []
-        elif typ.startswith("Tensor") and tensors:
+        typ = elem(arg.type)
+        if isinstance(typ, torch._C.ListType) and isinstance(elem(typ.getElementType()), torch._C.TensorType):
+            take = len(tensors)
+            if args and isinstance(args[0], (tuple, list)) and all(x is None for x in args[0]):
+                take = len(args.pop(0))
+            out.append(tensors[:take])
+            tensors = tensors[take:]
+        elif isinstance(typ, torch._C.TensorType) and tensors:
             out.append(tensors.pop(0))
         elif args:
             out.append(args.pop(0))
-        elif typ.startswith("Optional[Tensor]") or typ == "Tensor?":
+        elif isinstance(typ, torch._C.TensorType) and isinstance(arg.type, torch._C.OptionalType):
             out.append(None)
         else:
             break
