@@ -1,0 +1,251 @@
+"""Parallelize the reference transformer with PyTorch's own APIs, the way torchtitan does.
+
+:func:`parallelize_transformer` takes a model and a :class:`~torch.distributed.device_mesh.DeviceMesh`
+whose dimensions are named after :class:`MeshAxis` and applies, in torchtitan's order:
+
+1. tensor parallel (+ sequence parallel) on the ``tp`` axis — ``ColwiseParallel``,
+   ``RowwiseParallel``, ``SequenceParallel`` and ``PrepareModuleInput`` from
+   :mod:`torch.distributed.tensor.parallel` (the Megatron-LM pattern: two all-reduces per
+   block forward without SP; all-gather + reduce-scatter around attention and MLP with SP);
+2. expert parallel on the ``ep`` axis for MoE blocks: expert weights ``Shard(0)`` and an
+   all-to-all before and after the experts (:class:`ExpertParallel`);
+3. activation checkpointing, full (``checkpoint_wrapper`` per block) or selective
+   (``create_selective_checkpoint_contexts``: matmuls and attention saved, the rest recomputed);
+4. FSDP2 (``fully_shard``) on the ``dp_shard`` axis per block and at the root; with a
+   ``dp_replicate`` axis of size > 1 it is HSDP over the 2-D (replicate, shard) mesh.
+
+Context parallel (``cp``) is not applied here: PyTorch's ``context_parallel`` replaces only the
+CUDA attention kernels (``_scaled_dot_product_flash/efficient/cudnn_attention``), so a CPU
+trace cannot run it; :func:`parallelize_transformer` raises for ``cp > 1``. Pipeline
+parallel (``pp``) splits layers into stages outside this function (each stage is a
+``Transformer`` of fewer layers), so a ``pp`` axis is accepted and left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from topomesh.errors import LayoutError
+from topomesh.models.transformer import Arch, MoE, Transformer
+
+
+class MeshAxis(StrEnum):
+    """Mesh dimension names the parallelize function looks for (absent means size 1)."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    EP = "ep"
+    TP = "tp"
+
+
+class Checkpointing(StrEnum):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelOptions:
+    """How :func:`parallelize_transformer` parallelizes; degrees come from the mesh."""
+
+    sequence_parallel: bool = True
+    """Shard norms/residuals on the sequence dim between TP regions (Megatron SP)."""
+    loss_parallel: bool = True
+    """Keep logits vocab-sharded and compute the loss under ``loss_parallel()``."""
+    checkpointing: Checkpointing = Checkpointing.NONE
+    reshard_after_forward: bool = True
+    """FSDP2: free unsharded block parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+
+
+def _axis_size(mesh: DeviceMesh, axis: MeshAxis) -> int:
+    names = mesh.mesh_dim_names or ()
+    return mesh[axis.value].size() if axis.value in names else 1
+
+
+def parallelize_transformer(
+    model: nn.Module, mesh: DeviceMesh, options: ParallelOptions | None = None
+) -> nn.Module:
+    """Apply TP/SP, EP, activation checkpointing and FSDP2 to ``model`` in place; returns it.
+
+    ``model`` is a :class:`~topomesh.models.transformer.Transformer` or a single
+    ``TransformerBlock`` (what the tracer's block-at-a-time mode hands over).
+    """
+    options = options or ParallelOptions()
+    if _axis_size(mesh, MeshAxis.CP) > 1:
+        raise LayoutError(
+            f"Context parallel degree {_axis_size(mesh, MeshAxis.CP)} is not supported: "
+            "PyTorch's context_parallel only replaces CUDA attention kernels, which a CPU trace "
+            "cannot run."
+        )
+    blocks = _blocks(model)
+    if _axis_size(mesh, MeshAxis.TP) > 1:
+        apply_tp(model, blocks, mesh[MeshAxis.TP.value], options)
+    if _axis_size(mesh, MeshAxis.EP) > 1:
+        for block in blocks.values():
+            if isinstance(block.feed_forward, MoE):
+                parallelize_module(block.feed_forward.experts, mesh[MeshAxis.EP.value], ExpertParallel())
+    if options.checkpointing is not Checkpointing.NONE:
+        apply_checkpointing(model, blocks, options.checkpointing)
+        blocks = _blocks(model)
+    dp_axes = [a.value for a in (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD) if _axis_size(mesh, a) > 1]
+    if dp_axes:
+        dp_mesh = mesh[tuple(dp_axes)] if len(dp_axes) > 1 else mesh[dp_axes[0]]
+        for block in blocks.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward)
+        if isinstance(model, Transformer):
+            fully_shard(model, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward)
+    return model
+
+
+def make_parallelize(options: ParallelOptions | None = None) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
+    """``parallelize_transformer`` with ``options`` bound: the ``(model, mesh)`` form the tracer takes."""
+    return partial(parallelize_transformer, options=options)
+
+
+def _blocks(model: nn.Module) -> dict[str, nn.Module]:
+    if isinstance(model, Transformer):
+        return dict(model.layers.items())
+    return {"": model}
+
+
+def apply_tp(model: nn.Module, blocks: dict[str, nn.Module], tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
+    """Megatron-style tensor parallel, with sequence parallel when ``options`` asks for it."""
+    sp = options.sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    if isinstance(model, Transformer):
+        top: dict[str, ParallelStyle] = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "output": ColwiseParallel(
+                input_layouts=seq,
+                output_layouts=Shard(-1) if options.loss_parallel else Replicate(),
+                use_local_output=not options.loss_parallel,
+            ),
+        }
+        if model.config.arch is Arch.GPT:
+            # Position table rows split like the token table; positions are the sequence.
+            top["pos_embeddings"] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate()
+            )
+        if sp:
+            top["norm"] = SequenceParallel()
+        parallelize_module(model, tp_mesh, top)
+    for block in blocks.values():
+        plan: dict[str, ParallelStyle] = {
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+        }
+        if sp:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        if isinstance(block.feed_forward, MoE):
+            # Experts are replicated over TP (EP shards them): gather the sequence in, and
+            # hand the residual stream back in its own layout (a local slice, no comm).
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True,
+            )
+        else:
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+            if block.feed_forward.w3 is not None:
+                plan["feed_forward.w3"] = ColwiseParallel()
+        parallelize_module(block, tp_mesh, plan)
+
+
+class ExpertParallel(ParallelStyle):
+    """Shard ``GroupedExperts`` weights on the expert dim; all-to-all tokens in and out.
+
+    The experts module takes buffers of shape (experts, capacity, hidden). With ``ep`` ranks
+    each rank owns ``experts/ep`` experts: the input all-to-all sends rank ``j`` the slices of
+    its experts from every rank, giving (experts/ep, ep·capacity, hidden); the output
+    all-to-all sends results back.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed._functional_collectives import all_to_all_single
+
+        ep = device_mesh.size()
+        n_experts = module.w1.shape[0]
+        if n_experts % ep:
+            raise LayoutError(f"Expert parallel degree {ep} does not divide {n_experts} experts.")
+        for name, param in list(module.named_parameters(recurse=False)):
+            dist = nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]))
+            module.register_parameter(name, dist)
+        group = device_mesh.get_group()
+
+        def dispatch(_mod: nn.Module, args: tuple) -> tuple:
+            (x,) = args
+            e, cap, h = x.shape
+            y = all_to_all_single(x.contiguous(), None, None, group)
+            # (ep source ranks, local experts, cap, h) -> (local experts, ep * cap, h)
+            y = y.view(ep, e // ep, cap, h).transpose(0, 1).reshape(e // ep, ep * cap, h)
+            return (y,)
+
+        def combine(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+            le, ep_cap, h = out.shape
+            cap = ep_cap // ep
+            y = out.view(le, ep, cap, h).transpose(0, 1).reshape(le * ep, cap, h)
+            return all_to_all_single(y.contiguous(), None, None, group)
+
+        module.register_forward_pre_hook(dispatch)
+        module.register_forward_hook(combine)
+        return module
+
+
+# Ops whose outputs selective checkpointing keeps (torchtitan's default save list, CPU names).
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_checkpointing(model: nn.Module, blocks: dict[str, nn.Module], mode: Checkpointing) -> None:
+    """Wrap every block with ``checkpoint_wrapper`` (non-reentrant), fully or selectively."""
+    kwargs = {"preserve_rng_state": False}
+    if mode is Checkpointing.SELECTIVE:
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+    if isinstance(model, Transformer):
+        for name, block in blocks.items():
+            model.layers.register_module(name, checkpoint_wrapper(block, **kwargs))
+    else:
+        raise LayoutError(
+            "Activation checkpointing wraps blocks inside a Transformer; trace the block "
+            "through a one-layer Transformer instead."
+        )

@@ -1,0 +1,260 @@
+"""Turn the nodes of a ``make_fx`` graph into our records (:mod:`topomesh.trace.graph`).
+
+Every ``call_function`` node becomes one of:
+
+* a :class:`~topomesh.trace.graph.CollectiveRecord` — functional collectives
+  (``_c10d_functional.all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
+  ``all_to_all_single`` / ``broadcast``) and the in-place c10d ops FSDP2 and ``torch.distributed``
+  emit (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_`` …);
+  the group comes from the group-name argument or the traced ``ProcessGroup`` object;
+* nothing, for bookkeeping nodes (``getitem``, ``wait_tensor``, profiler ranges);
+* an :class:`~topomesh.trace.graph.OpRecord` otherwise, with FLOPs from PyTorch's own
+  formulas (``torch.utils.flop_counter.flop_registry``) evaluated on the node's local
+  shapes, plus the CPU flash-attention ops that registry lacks.
+
+FLOPs follow ``FlopCounterMode``: matmuls ``2·m·n·k``, attention as non-causal (the full
+``S²`` score matrix), elementwise ops 0.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase, TensorMeta
+
+_SKIP = {
+    "_operator.getitem",
+    "_c10d_functional.wait_tensor.default",
+    "profiler._record_function_enter_new.default",
+    "profiler._record_function_exit._RecordFunction",
+    "profiler._record_function_exit.default",
+}
+
+# Collective op (overload name) -> (kind, index of the tensor whose bytes count).
+# Bytes are the per-rank buffer: input for all-reduce/reduce-scatter/all-to-all/broadcast,
+# output (the gathered tensor) for all-gather; "out" means the node's own output.
+_COLLECTIVES: dict[str, tuple[CollectiveKind, int | str]] = {
+    "_c10d_functional.all_reduce.default": (CollectiveKind.ALL_REDUCE, 0),
+    "_c10d_functional.all_reduce_.default": (CollectiveKind.ALL_REDUCE, 0),
+    "_c10d_functional.all_reduce_coalesced.default": (CollectiveKind.ALL_REDUCE, 0),
+    "_c10d_functional.all_gather_into_tensor.default": (CollectiveKind.ALL_GATHER, "out"),
+    "_c10d_functional.all_gather_into_tensor_coalesced.default": (CollectiveKind.ALL_GATHER, "out"),
+    "_c10d_functional.reduce_scatter_tensor.default": (CollectiveKind.REDUCE_SCATTER, 0),
+    "_c10d_functional.reduce_scatter_tensor_coalesced.default": (CollectiveKind.REDUCE_SCATTER, 0),
+    "_c10d_functional.all_to_all_single.default": (CollectiveKind.ALL_TO_ALL, 0),
+    "_c10d_functional.broadcast.default": (CollectiveKind.BROADCAST, 0),
+    "_c10d_functional.broadcast_.default": (CollectiveKind.BROADCAST, 0),
+    "c10d._allgather_base_.default": (CollectiveKind.ALL_GATHER, 0),
+    "c10d._reduce_scatter_base_.default": (CollectiveKind.REDUCE_SCATTER, 1),
+    "c10d.allreduce_.default": (CollectiveKind.ALL_REDUCE, 0),
+    "c10d.allgather_.default": (CollectiveKind.ALL_GATHER, 0),
+    "c10d.allgather_into_tensor_coalesced_.default": (CollectiveKind.ALL_GATHER, 0),
+    "c10d.reduce_scatter_.default": (CollectiveKind.REDUCE_SCATTER, 1),
+    "c10d.reduce_scatter_tensor_coalesced_.default": (CollectiveKind.REDUCE_SCATTER, 1),
+    "c10d.alltoall_base_.default": (CollectiveKind.ALL_TO_ALL, 1),
+    "c10d.alltoall_.default": (CollectiveKind.ALL_TO_ALL, 1),
+    "c10d.broadcast_.default": (CollectiveKind.BROADCAST, 0),
+    "c10d.send.default": (CollectiveKind.SEND_RECV, 0),
+    "c10d.recv_.default": (CollectiveKind.SEND_RECV, 0),
+}
+
+# Op families (overload packets) the cost model can price without a FLOP formula:
+# copies, creation, indexing, reductions, norms, losses, FSDP's copy-in/out helpers.
+_KNOWN_PACKETS = frozenset(
+    {
+        "aten._to_copy", "aten.clone", "aten.copy", "aten.copy_", "aten.contiguous", "aten.empty",
+        "aten.empty_like", "aten.empty_strided", "aten.zeros", "aten.zeros_like", "aten.ones",
+        "aten.ones_like", "aten.full", "aten.full_like", "aten.new_zeros", "aten.new_empty",
+        "aten.new_empty_strided", "aten.new_ones", "aten.new_full", "aten.fill_", "aten.zero_",
+        "aten.arange", "aten.scalar_tensor", "aten.lift_fresh_copy", "aten.cat", "aten.stack",
+        "aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind", "aten.embedding",
+        "aten.embedding_dense_backward", "aten.index", "aten.index_put", "aten.index_put_",
+        "aten.index_add", "aten.index_add_", "aten.index_select", "aten.gather", "aten.scatter",
+        "aten.scatter_add", "aten.scatter_add_", "aten.repeat", "aten.repeat_interleave",
+        "aten.one_hot", "aten.cumsum", "aten.topk", "aten.sort", "aten.argmax", "aten.sum",
+        "aten.mean", "aten.amax", "aten.amin", "aten.max", "aten.min", "aten.var_mean", "aten.prod",
+        "aten.norm", "aten.linalg_vector_norm", "aten._softmax", "aten._softmax_backward_data",
+        "aten._log_softmax", "aten._log_softmax_backward_data", "aten.nll_loss_forward",
+        "aten.nll_loss_backward", "aten.nll_loss2d_forward", "aten.nll_loss2d_backward",
+        "aten.native_layer_norm", "aten.native_layer_norm_backward", "aten._fused_rms_norm",
+        "aten._fused_rms_norm_backward", "aten.gelu_backward", "aten.silu_backward",
+        "aten.threshold_backward", "aten.native_dropout", "aten.native_dropout_backward",
+        "aten._foreach_add_", "aten._foreach_mul_", "aten._foreach_lerp_", "aten._foreach_addcmul_",
+        "aten._foreach_addcdiv_", "aten._foreach_sqrt", "aten._foreach_div_", "aten.where",
+        "aten.masked_fill", "aten.tril", "aten.triu", "aten.constant_pad_nd", "aten.detach",
+        "aten.alias", "aten._unsafe_view", "aten._local_scalar_dense", "aten.select_backward",
+        "aten.slice_backward", "aten.masked_fill_", "aten.resize_", "aten.set_",
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward", "fsdp.all_gather_copy_in",
+        "fsdp.split_with_sizes_copy", "fsdp.chunk_cat", "fsdp.copy_",
+    }
+)
+
+
+def _cpu_flash_fwd(q, k, v, *args, out_val=None, **kwargs) -> int:  # noqa: ANN001
+    return sdpa_flop_count(q.shape, k.shape, v.shape)
+
+
+def _cpu_flash_bwd(grad_out, q, k, v, *args, out_val=None, **kwargs) -> int:  # noqa: ANN001
+    return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+
+
+_EXTRA_FLOPS = {
+    "aten._scaled_dot_product_flash_attention_for_cpu": _cpu_flash_fwd,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": _cpu_flash_bwd,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupInfo:
+    """A process group the trace ran collectives on."""
+
+    size: int
+    mesh_axis: str | None
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    """Shape, dtype and stride of a (fake) tensor.
+
+    >>> tensor_meta(torch.zeros(2, 3)).stride
+    (3, 1)
+    """
+    return TensorMeta(shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."), stride=tuple(t.stride()))
+
+
+def _val(a: object) -> object:
+    if isinstance(a, torch.fx.Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_val(x) for x in a)
+    return a
+
+
+def _tensors(x: object) -> Iterable[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _hashable(x: object) -> object:
+    if isinstance(x, torch.fx.Node):
+        return None
+    if isinstance(x, (list, tuple)):
+        return tuple(_hashable(y) for y in x)
+    if isinstance(x, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(x)
+    if isinstance(x, (int, float, bool, str)) or x is None:
+        return x
+    return type(x).__name__
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def is_known(target: object) -> bool:
+    """Whether the cost model can price ``target`` (FLOP formula, view, pointwise or a known family)."""
+    packet = str(getattr(target, "overloadpacket", target))
+    if packet in _KNOWN_PACKETS or packet in _EXTRA_FLOPS:
+        return True
+    if getattr(target, "overloadpacket", None) in flop_registry:
+        return True
+    if getattr(target, "is_view", False):
+        return True
+    tags = getattr(target, "tags", ())
+    return torch.Tag.pointwise in tags or torch.Tag.reduction in tags
+
+
+def op_record(node: torch.fx.Node, phase: Phase) -> OpRecord:
+    """The :class:`OpRecord` of a compute node; FLOPs on the node's own (local) shapes."""
+    target = node.target
+    args = [_val(a) for a in node.args]
+    kwargs = {k: _val(v) for k, v in node.kwargs.items()}
+    out = node.meta.get("val")
+    inputs = tuple(tensor_meta(t) for t in _tensors(args)) + tuple(
+        tensor_meta(t) for t in _tensors(list(kwargs.values()))
+    )
+    outputs = tuple(tensor_meta(t) for t in _tensors(out))
+    packet = getattr(target, "overloadpacket", None)
+    flops = 0
+    formula = flop_registry.get(packet) if packet is not None else None
+    formula = formula or _EXTRA_FLOPS.get(str(packet))
+    if formula is not None:
+        flops = int(formula(*args, out_val=out, **kwargs))
+    moved = 0
+    if not getattr(target, "is_view", False):
+        moved = sum(_nbytes(t) for t in _tensors(args)) + sum(_nbytes(t) for t in _tensors(out))
+    scalars = tuple(_hashable(a) for a in node.args if not isinstance(a, torch.fx.Node))
+    return OpRecord(
+        op=str(target), inputs=inputs, outputs=outputs, flops=flops, bytes_moved=moved,
+        phase=phase, args=scalars,
+    )
+
+
+def _group_of(node: torch.fx.Node, gm: torch.fx.GraphModule, groups: Mapping[str, GroupInfo]) -> tuple[str | None, GroupInfo | None]:
+    from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+
+    for a in node.args:
+        name = None
+        if isinstance(a, str) and a in groups:
+            name = a
+        elif isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            obj = getattr(gm, a.target, None)
+            if isinstance(obj, torch.ScriptObject):
+                try:
+                    name = ProcessGroup.unbox(obj).group_name
+                except RuntimeError:
+                    continue
+        if name is not None:
+            if name in groups:
+                return name, groups[name]
+            return name, GroupInfo(size=_resolve_process_group(name).size(), mesh_axis=None)
+    # functional collectives name their group last, as a string
+    last = node.args[-1] if node.args else None
+    if isinstance(last, str):
+        try:
+            return last, GroupInfo(size=_resolve_process_group(last).size(), mesh_axis=None)
+        except (RuntimeError, ValueError, KeyError):
+            return last, None
+    return None, None
+
+
+def collective_record(
+    node: torch.fx.Node, gm: torch.fx.GraphModule, groups: Mapping[str, GroupInfo], phase: Phase
+) -> CollectiveRecord:
+    """The :class:`CollectiveRecord` of a collective node (bytes of the per-rank buffer)."""
+    op = str(node.target)
+    kind, which = _COLLECTIVES[op]
+    src = node.meta.get("val") if which == "out" else _val(node.args[which])
+    tensors = list(_tensors(src))
+    _, info = _group_of(node, gm, groups)
+    return CollectiveRecord(
+        kind=kind,
+        bytes=sum(_nbytes(t) for t in tensors),
+        group_size=info.size if info else 0,
+        mesh_axis=info.mesh_axis if info else None,
+        dtype=str(tensors[0].dtype).removeprefix("torch.") if tensors else "float32",
+        phase=phase,
+        op=op,
+    )
+
+
+def node_record(
+    node: torch.fx.Node, gm: torch.fx.GraphModule, groups: Mapping[str, GroupInfo], phase: Phase
+) -> OpRecord | CollectiveRecord | None:
+    """Our record for one graph node, or None for placeholders and bookkeeping."""
+    if node.op != "call_function":
+        return None
+    name = "_operator.getitem" if node.target is operator.getitem else str(node.target)
+    if name in _SKIP:
+        return None
+    if name in _COLLECTIVES:
+        return collective_record(node, gm, groups, phase)
+    return op_record(node, phase)

@@ -1,0 +1,385 @@
+"""Trace one rank's training step of the user's own model and parallelize function.
+
+``trace_step`` runs in one CPU process and allocates no parameter memory:
+
+1. a fake process group of the layout's world size (``init_process_group("fake", ...)``)
+   and a :class:`~torch.distributed.device_mesh.DeviceMesh` whose dimensions are the layout's
+   axes (degrees as given; ``pp`` is left out — a pipeline stage's trace is the same step on
+   fewer layers);
+2. the model built under ``FakeTensorMode`` with the default dtype set to the training
+   dtype (``.to(dtype)`` cannot swap fake parameters), then the user's ``parallelize(model,
+   mesh)`` — outside fake mode, because mesh bookkeeping runs real ops on rank tables;
+3. ``make_fx`` of forward + loss + backward + optimizer step; DTensor dispatch runs inside
+   the trace, so the graph holds local-shard ops and the collectives DTensor, FSDP2 and
+   expert parallel issue;
+4. :mod:`topomesh.trace.convert` turns nodes into records; hooks placed during tracing cut
+   the graph into phases (forward, backward, optimizer) and into block / rest segments.
+
+Example (tiny model, TP 2 × FSDP 2)::
+
+    spec = transformer_spec(get_preset("tiny-llama"))
+    t = trace_step(spec, make_parallelize(), {"dp_shard": 2, "tp": 2}, n_layers=2)
+    t.compose(spec.n_layers).summary().flops
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.device_mesh
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+from topomesh.errors import LayoutError, TopomeshError, TraceError
+from topomesh.trace.convert import GroupInfo, is_known, node_record
+from topomesh.trace.graph import CollectiveRecord, Phase
+from topomesh.trace.result import Part, Segment, Trace
+
+ParallelizeFn = Callable[[nn.Module, "dist.device_mesh.DeviceMesh"], "nn.Module | None"]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+PIPELINE_AXIS = "pp"
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy in float32, as torchtitan computes it."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def layer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a torchtitan-style model: the children of ``model.layers``."""
+    layers = getattr(model, "layers", None)
+    return list(layers.children()) if isinstance(layers, nn.Module) else []
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """How to build and drive the user's model for a trace."""
+
+    name: str
+    key: str
+    """Identifies the model's shape in trace caches (e.g. the config's repr)."""
+    n_layers: int
+    """Depth of the real model; traces may build fewer layers and compose."""
+    build: Callable[[int], nn.Module]
+    """``build(n_layers)`` returns the model with that many blocks (called under fake mode)."""
+    make_inputs: Callable[[int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+    """``make_inputs(batch_size)`` returns (forward args, labels) (called under fake mode)."""
+    blocks: Callable[[nn.Module], list[nn.Module]] = layer_blocks
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss
+
+
+def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW, one parameter at a time (``foreach=False``), so its ops split per block."""
+    return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+
+def normalize_layout(layout: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """The traced mesh: axes in the given order without ``pp``; degrees checked.
+
+    >>> normalize_layout({"pp": 4, "dp_shard": 2, "tp": 8})
+    (('dp_shard', 2), ('tp', 8))
+    """
+    out = []
+    for axis, degree in layout.items():
+        if not isinstance(degree, int) or degree < 1:
+            raise LayoutError(f"Degree of mesh axis {axis!r} must be a positive integer, got {degree!r}.")
+        if axis != PIPELINE_AXIS:
+            out.append((str(axis), degree))
+    return tuple(out) or (("dp_shard", 1),)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A default process group on the fake backend for the duration of the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise TraceError(
+            f"A default process group ({dist.get_backend()}, world size {dist.get_world_size()}) "
+            "already exists; trace in a process that has none, since the tracer needs its own "
+            "fake group."
+        )
+    dist.init_process_group("fake", store=FakeStore(), world_size=world_size, rank=0)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Markers:
+    """Labels placed in the graph while it is being traced (after the current last node)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[torch.fx.Node | None, list[str]] = {}
+
+    def mark(self, label: str) -> None:
+        mode = get_proxy_mode()
+        if mode is None:
+            return
+        nodes = mode.tracer.graph.nodes
+        last = next(iter(reversed(nodes))) if len(nodes) else None
+        self.marks.setdefault(last, []).append(label)
+
+    def watch(self, block: nn.Module, index: int) -> None:
+        """Mark the block's forward and, through gradient hooks, its backward."""
+
+        def first_grad_tensor(x: object) -> torch.Tensor | None:
+            for t in torch.utils._pytree.tree_leaves(x):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    return t
+            return None
+
+        def pre(_m: nn.Module, args: tuple) -> None:
+            self.mark(f"start:{index}")
+            t = first_grad_tensor(args)
+            if t is not None:
+                t.register_hook(lambda g: self.mark(f"end:{index}"))
+
+        def post(_m: nn.Module, _args: tuple, out: object) -> None:
+            self.mark(f"end:{index}")
+            t = first_grad_tensor(out)
+            if t is not None:
+                t.register_hook(lambda g: self.mark(f"start:{index}"))
+
+        # prepend: run before FSDP's hooks, so the marks enclose its all-gathers and
+        # reduce-scatters (they hang off the tensors FSDP's hooks see).
+        block.register_forward_pre_hook(pre, prepend=True)
+        block.register_forward_hook(post, prepend=True)
+
+
+def _build(spec: ModelSpec, n_layers: int, dtype: torch.dtype, fake: FakeTensorMode) -> nn.Module:
+    previous = torch.get_default_dtype()
+    try:
+        with fake:
+            torch.set_default_dtype(dtype)
+            return spec.build(n_layers)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _trace_error(spec: ModelSpec, stage: str, exc: BaseException) -> TraceError:
+    func = getattr(exc, "func", None)
+    if isinstance(exc, (DynamicOutputShapeException, DataDependentOutputException)):
+        reason = "its output depends on tensor values, which a fake-tensor trace does not have"
+    elif isinstance(exc, UnsupportedOperatorException):
+        reason = "it has no fake-tensor (meta) implementation"
+    else:
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    where = f" at op {func}" if func is not None else ""
+    return TraceError(f"Model {spec.name!r} could not be traced ({stage}){where}: {reason}.")
+
+
+def _groups(mesh: dist.device_mesh.DeviceMesh) -> dict[str, GroupInfo]:
+    out = {}
+    for name in mesh.mesh_dim_names or ():
+        pg = mesh.get_group(name)
+        out[pg.group_name] = GroupInfo(size=pg.size(), mesh_axis=name)
+    return out
+
+
+def trace_step(
+    spec: ModelSpec,
+    parallelize: ParallelizeFn | None,
+    layout: Mapping[str, int],
+    *,
+    n_layers: int | None = None,
+    batch_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    split_blocks: bool = True,
+    optimizer: OptimizerFactory | None = default_optimizer,
+    warm_up: bool = True,
+) -> Trace:
+    """Trace forward, backward and optimizer step of one rank under ``layout``.
+
+    ``n_layers`` blocks are built (default: the real depth); with ``split_blocks`` each block's
+    records form their own segments, so a two-block trace composes deeper models
+    (:meth:`Trace.compose`).
+    With ``warm_up`` a no-grad forward and a zero-gradient optimizer step run first (eagerly,
+    on fake tensors), so the trace shows a steady-state step without first-step lazy
+    initialization. Raises :class:`TraceError` naming the op and the reason when the model
+    does not trace.
+    """
+    axes = normalize_layout(layout)
+    world = 1
+    for _, d in axes:
+        world *= d
+    depth = spec.n_layers if n_layers is None else n_layers
+    start = time.perf_counter()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_process_group(world):
+        mesh = dist.device_mesh.init_device_mesh(
+            "cpu", tuple(d for _, d in axes), mesh_dim_names=tuple(a for a, _ in axes)
+        )
+        try:
+            model = _build(spec, depth, dtype, fake)
+            if parallelize is not None:
+                model = parallelize(model, mesh) or model
+        except TopomeshError:
+            raise
+        except Exception as exc:  # the user's code: report, don't crash
+            raise _trace_error(spec, "building and parallelizing", exc) from exc
+        markers = _Markers()
+        blocks = spec.blocks(model) if split_blocks else []
+        for i, block in enumerate(blocks):
+            markers.watch(block, i)
+        optimizers = _optimizers(model, blocks, optimizer)
+        step = _step_fn(spec, model, markers, optimizers)
+        try:
+            with fake:
+                inputs, labels = spec.make_inputs(batch_size)
+                if warm_up:
+                    _warm_up(model, inputs, optimizers)
+                gm = make_fx(step)(inputs, labels)
+        except TopomeshError:
+            raise
+        except Exception as exc:
+            raise _trace_error(spec, "forward, backward and optimizer step", exc) from exc
+        segments, unknown = _segments(gm, markers, _groups(mesh))
+    return Trace(
+        model=spec.name,
+        layout=axes,
+        batch_size=batch_size,
+        dtype=str(dtype).removeprefix("torch."),
+        traced_layers=depth,
+        n_layers=depth,
+        segments=segments,
+        unknown_ops=unknown,
+        trace_s=time.perf_counter() - start,
+    )
+
+
+def _optimizers(
+    model: nn.Module, blocks: Sequence[nn.Module], optimizer: OptimizerFactory | None
+) -> list[tuple[int | None, torch.optim.Optimizer]]:
+    """One optimizer per block and one for the rest: the same per-parameter math as a single
+    optimizer, with each block's updates landing in that block's segments."""
+    if optimizer is None:
+        return []
+    groups: list[tuple[int | None, list[nn.Parameter]]] = []
+    in_block = set()
+    for i, b in enumerate(blocks):
+        ps = [p for p in b.parameters() if p.requires_grad]
+        in_block.update(id(p) for p in ps)
+        groups.append((i, ps))
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in in_block]
+    groups.append((None, rest))
+    return [(i, optimizer(ps)) for i, ps in groups if ps]
+
+
+def _warm_up(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], optimizers: list[tuple[int | None, torch.optim.Optimizer]]
+) -> None:
+    """Run what a real job does once, before the steady-state step the trace should show:
+    lazy initialization in the first forward (FSDP2 builds its views there) and the
+    optimizer's state (AdamW's moments). Runs eagerly on fake tensors."""
+    with torch.no_grad():
+        model(*inputs)
+    for _, opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _step_fn(
+    spec: ModelSpec,
+    model: nn.Module,
+    markers: _Markers,
+    optimizers: list[tuple[int | None, torch.optim.Optimizer]],
+) -> Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def step(inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        out = model(*inputs)
+        ctx = loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext()
+        with ctx:
+            loss = spec.loss(out, labels)
+            markers.mark(Phase.BACKWARD.value)
+            loss.backward()
+        markers.mark(Phase.OPTIMIZER.value)
+        for i, opt in optimizers:
+            if i is not None:
+                markers.mark(f"start:{i}")
+            opt.step()
+            if i is not None:
+                markers.mark(f"end:{i}")
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    return step
+
+
+def _segments(
+    gm: torch.fx.GraphModule, markers: _Markers, groups: Mapping[str, GroupInfo]
+) -> tuple[tuple[Segment, ...], tuple[str, ...]]:
+    phase: Phase = Phase.FORWARD
+    layer: int | None = None
+    segments: list[Segment] = []
+    current: list = []
+    key: tuple[Phase, int | None] = (phase, layer)
+    unknown: set[str] = set()
+
+    def apply(labels: list[str]) -> None:
+        nonlocal phase, layer
+        for label in labels:
+            what, _, index = label.partition(":")
+            if what == "start":
+                layer = int(index)
+            elif what == "end":
+                layer = None if layer == int(index) else layer
+            else:
+                phase, layer = Phase(label), None
+
+    def flush() -> None:
+        if current:
+            part = Part.REST if key[1] is None else Part.BLOCK
+            segments.append(Segment(part=part, phase=key[0], layer=key[1], events=tuple(current)))
+            current.clear()
+
+    apply(markers.marks.get(None, []))
+    for node in gm.graph.nodes:
+        k = (phase, layer)
+        if k != key:
+            flush()
+            key = k
+        rec = node_record(node, gm, groups, phase)
+        if rec is not None:
+            current.append(rec)
+            if not isinstance(rec, CollectiveRecord) and not is_known(node.target):
+                unknown.add(rec.op)
+        apply(markers.marks.get(node, []))
+    flush()
+    return tuple(segments), tuple(sorted(unknown))
+
+
+def transformer_spec(cfg: object, *, seq_len: int | None = None) -> ModelSpec:
+    """A :class:`ModelSpec` for the built-in :class:`~topomesh.models.transformer.Transformer`."""
+    from topomesh.models.transformer import Transformer, TransformerConfig
+
+    assert isinstance(cfg, TransformerConfig)
+    if seq_len is not None:
+        cfg = dataclasses.replace(cfg, seq_len=seq_len)
+
+    def build(n: int) -> nn.Module:
+        return Transformer(dataclasses.replace(cfg, n_layers=n))
+
+    def make_inputs(batch: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+        return (tokens,), tokens
+
+    key = repr(dataclasses.replace(cfg, name=cfg.name))
+    return ModelSpec(name=cfg.name, key=key, n_layers=cfg.n_layers, build=build, make_inputs=make_inputs)
