@@ -1,0 +1,120 @@
+"""``topomesh profile``: time every distinct op of a traced step on this device.
+
+Ops come from a JSON file of op records (``--records``, the format
+:func:`topomesh.cost.ops.records_to_json` writes: a list of objects with ``op``,
+``inputs``/``outputs`` as ``{"shape", "dtype", "stride"}``, ``flops``, ``bytes_moved``,
+``phase`` and ``args``). Each distinct signature not yet in the shared op-profile table
+is run for real and its median stored; the summary splits the step's op time into
+measured and roofline parts and lists the ops with no measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from topomesh.cost.devices import current_device_spec, device_fingerprint, device_spec
+from topomesh.cost.opdb import OpProfileDB, default_db_path
+from topomesh.cost.ops import CostSummary, ProfileRun, cost_summary, profile_ops, records_from_json
+from topomesh.errors import CalibrationError, TraceError
+
+HELP = "Profile each distinct op of a traced step on this device into the shared op-profile table."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--records", type=Path, required=True, metavar="FILE",
+                   help="JSON list of op records (see docs/cost.md for the format)")
+    p.add_argument("--device", default="cpu", help="torch device to profile on: cpu or cuda[:i] (default cpu)")
+    p.add_argument("--db", type=Path, default=None, help=f"op-profile SQLite file (default {default_db_path()})")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads while profiling (part of the key)")
+    p.add_argument("--spec", default=None, help="device spec for the roofline of unprofiled ops "
+                   "(default: this device; e.g. H100-SXM5-80GB)")
+    p.add_argument("--no-profile", action="store_true", help="only price the records with what the table has")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _load(path: Path) -> list[Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such op-records file") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TraceError(f"{path}: cannot read op records ({exc})") from None
+    return records_from_json(data)
+
+
+def _profile(records: list[Any], db: OpProfileDB, device: str, fp: str, show: bool) -> ProfileRun:
+    if not show:
+        return profile_ops(records, db, device=device, fingerprint=fp)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("profile"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TextColumn("{task.description}"), console=Console(stderr=True)) as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(done: int, total: int, op: str) -> None:
+            bar.update(task, completed=done, total=total, description=op)
+
+        return profile_ops(records, db, device=device, fingerprint=fp, progress=progress)
+
+
+def summary_json(run: ProfileRun | None, summary: CostSummary, *, fp: str, db: Path, spec: str) -> dict[str, Any]:
+    return {
+        "device_fingerprint": fp,
+        "db": str(db),
+        "roofline_spec": spec,
+        "profiled_now": run.profiled if run else 0,
+        "cached": run.cached if run else None,
+        "distinct": run.distinct if run else None,
+        "failed": dict(run.failed) if run else {},
+        "ops": summary.ops,
+        "measured_s": summary.measured_s,
+        "roofline_s": summary.roofline_s,
+        "total_s": summary.total_s,
+        "unknown": [{"op": u.op, "count": u.count, "roofline_s": u.roofline_s, "reason": u.reason}
+                    for u in summary.unknown],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CalibrationError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CalibrationError(f"--device {args.device}: CUDA is not available on this machine")
+    records = _load(args.records)
+    fp = device_fingerprint(args.device)
+    spec = device_spec(args.spec) if args.spec else current_device_spec(args.device)
+    with OpProfileDB(args.db) as db:
+        run_ = None if args.no_profile else _profile(records, db, args.device, fp, show=not args.json)
+        summary = cost_summary(records, spec, db.table(fp), db.failures(fp))
+        data = summary_json(run_, summary, fp=fp, db=db.path, spec=spec.name)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if run_ is not None:
+        console.print(f"{fp}: {run_.distinct} distinct ops, {run_.cached} already in {db.path}, "
+                      f"{run_.profiled} profiled now in {run_.seconds:.1f} s")
+    console.print(f"{summary.ops} ops: measured {summary.measured_s * 1e3:.3f} ms + roofline "
+                  f"{summary.roofline_s * 1e3:.3f} ms ({spec.name}) = {summary.total_s * 1e3:.3f} ms")
+    if summary.unknown:
+        table = Table(title="ops without a measurement (priced by the roofline)")
+        for col in ("op", "count", "roofline ms", "reason"):
+            table.add_column(col)
+        for u in summary.unknown:
+            table.add_row(u.op, str(u.count), f"{u.roofline_s * 1e3:.4f}", u.reason)
+        console.print(table)
+    for op, why in (run_.failed if run_ else {}).items():
+        print(f"could not profile {op}: {why}", file=sys.stderr)
+    return 0
