@@ -1,0 +1,162 @@
+"""``topomesh show``: tables, matrix, JSON and PNG for every kind of source; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from topomesh.cli.main import main
+from topomesh.report.plot import draw_topology
+from topomesh.report.topology import cell_label, rank_ranges
+from topomesh.topology import api
+from topomesh.topology.build import build_topology, default_placement
+from topomesh.topology.model import LinkKind
+
+from ..topology.helpers import cpu_host, dgx_host, pcie_host
+
+TESTS = Path(__file__).resolve().parents[1]
+INPUTS = TESTS / "fixtures" / "inputs"
+A100 = "real/nccl-topo/a100-sxm-8gpu-nvswitch-5nic.xml"
+H100 = "real/nvidia-smi-topo/h100-sxm-8gpu-12nic.txt"
+AZURE = "real/nccl-topo/azure-ndv5-h100-pci-only.xml"
+
+
+def _show(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["show", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _matrix_rows(out: str) -> dict[str, list[str]]:
+    """The rank matrix of the human output: row label → cells."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("rank-to-rank links"))
+    rows = {}
+    for line in lines[start + 2 :]:
+        fields = line.split()
+        if not fields or not fields[0].startswith("R"):
+            break
+        rows[fields[0]] = fields[1:]
+    return rows
+
+
+def test_smi_file_shows_nvswitch_matrix_and_rails(capsys, shared_data: Path) -> None:
+    rc, out, _ = _show(capsys, shared_data / H100)
+    assert rc == 0
+    rows = _matrix_rows(out)
+    assert list(rows) == [f"R{i}" for i in range(8)]
+    assert rows["R3"] == ["NV18"] * 3 + ["X"] + ["NV18"] * 4
+    assert "NV#  = NVLink through NVSwitches, # links per GPU" in out
+    assert "mlx5_5 (IB)" in out  # rank 3's nearest NIC, at PIX
+    assert "NVLink islands" in out and "[0-7]" in out
+
+
+def test_xml_file_and_no_matrix(capsys, shared_data: Path) -> None:
+    rc, out, _ = _show(capsys, shared_data / AZURE, "--no-matrix")
+    assert rc == 0 and "rank-to-rank links" not in out
+    assert "8 (" not in out.split("ranks")[0]  # no arch in a PCI-only file: "8", not "8 (sm..)"
+    rc, out, _ = _show(capsys, shared_data / AZURE)
+    rows = _matrix_rows(out)
+    assert rows["R0"] == ["X", "NODE", "NODE", "NODE", "SYS", "SYS", "SYS", "SYS"]
+
+
+def test_json_is_the_v01_document(capsys, shared_data: Path) -> None:
+    rc, out, _ = _show(capsys, shared_data / A100, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["version"] == "0.1" and len(doc["ranks"]) == 8
+    conn = doc["ranks"]["0"]["peers"]["5"]["connection"]
+    assert conn["type"] == "NVSwitch" and conn["channels"] == {"count": "12"}
+    assert conn["bandwidth"] == {"value": "240", "measurement": "GB/s", "source": "default"}
+    again = api.parse_text(out)
+    original = api.read_source(shared_data / A100)
+    assert all(again.connection(a, b) == original.connection(a, b) for a in range(8) for b in range(8))
+
+
+def test_json_of_a_large_world_is_compact(capsys, tmp_path: Path) -> None:
+    hosts = [dgx_host(f"n{i}") for i in range(17)]  # 136 ranks > api.DENSE_MAX_RANKS
+    topo = build_topology(hosts, default_placement(hosts, [8] * 17))
+    path = api.save_topology(topo, tmp_path / "world.json")
+    rc, out, _ = _show(capsys, path, "--json")
+    assert rc == 0 and json.loads(out)["format"] == "topomesh-compact"
+    rc, out, _ = _show(capsys, path)
+    assert "first 64 of 136 ranks" in out
+    assert "ranks 0-7 of 136 (host n0); other hosts below" in out
+    assert "R0 reaches ranks on other hosts through: IB" in out
+
+
+def test_own_inputs_show(capsys) -> None:
+    rc, out, _ = _show(capsys, INPUTS / "smi-pcie-4gpu-2numa-2nic.txt")
+    assert rc == 0
+    assert _matrix_rows(out)["R1"] == ["PIX", "X", "SYS", "SYS"]
+    rc, out, _ = _show(capsys, INPUTS / "nccl-4gpu-nvlink-mesh-ib-eth.xml")
+    assert _matrix_rows(out)["R2"] == ["NV4", "NV4", "X", "NV4"]
+    assert "NV#  = direct bonded set of # NVLinks" in out
+
+
+def test_png_is_written(capsys, shared_data: Path, tmp_path: Path) -> None:
+    png = tmp_path / "a100.png"
+    rc, out, _ = _show(capsys, shared_data / A100, "--png", png)
+    assert rc == 0 and f"drawn to {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_drawing_has_one_legend_entry_per_link_kind() -> None:
+    hosts = [dgx_host("a", gpus=4), pcie_host("b"), cpu_host("c", sockets=2)]
+    topo = build_topology(hosts, default_placement(hosts, [4, 4, 2]))
+    fig = draw_topology(topo)
+    (ax,) = fig.axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == [
+        "NVLink (NV4, 48 GB/s)",
+        "NVSwitch (NV18, 370.8 GB/s)",
+        "SHM (12 GB/s)",
+        "SYS (10 GB/s)",
+        "NIC (1.25-12.5 GB/s)",
+    ]
+    # every rank is a dot, every same-host pair an edge (6 + 6 + 1), one stub per host
+    assert len(ax.collections) == 10
+    summary = draw_topology(topo, max_ranks=4)
+    assert "(summarised)" in summary.axes[0].get_title()
+    assert len(summary.axes[0].collections) == 0  # hosts only, no rank dots
+
+
+def test_png_without_matplotlib_is_a_clear_error(capsys, monkeypatch, shared_data: Path, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc, _, err = _show(capsys, shared_data / H100, "--png", tmp_path / "x.png")
+    assert rc == 2
+    assert err == "topomesh: error: --png needs matplotlib, which is not installed: pip install 'topomesh[plot]'\n"
+
+
+def test_labels_and_ranges() -> None:
+    assert rank_ranges([5, 1, 2, 3, 9]) == "1-3,5,9"
+    topo = build_topology([pcie_host("p")], default_placement([pcie_host("p")], [4]))
+    assert [cell_label(topo.connection(0, b)) for b in range(4)] == ["X", "NV4", "SYS", "SYS"]
+    assert topo.connection(0, 1).kind is LinkKind.NVLINK
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (INPUTS / "damaged").iterdir()))
+def test_damaged_files_are_one_line_exit_2(capsys, name: str) -> None:
+    path = INPUTS / "damaged" / name
+    rc, out, err = _show(capsys, path)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"topomesh: error: {path}: ") and err.count("\n") == 1
+
+
+def test_cli_process_never_prints_a_traceback(tmp_path: Path) -> None:
+    cases = [
+        (["show", str(INPUTS / "damaged" / "garbage.bin")], "not UTF-8 text"),
+        (["show", str(tmp_path)], "is a directory"),
+    ]
+    for argv, problem in cases:
+        proc = subprocess.run(
+            [sys.executable, "-m", "topomesh", *argv], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("topomesh: error: ") and problem in lines[0]
