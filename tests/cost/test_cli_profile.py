@@ -45,3 +45,15 @@ def test_profile_bad_input_is_one_line_exit_2(tmp_path, capsys):
     bad.write_text(json.dumps([{"inputs": []}]))
     assert main(["profile", "--records", str(bad)]) == 2
     assert "op record 0 is malformed" in capsys.readouterr().err
+
+
+def test_profile_a_traced_preset_under_a_layout(tmp_path, capsys):
+    argv = ["profile", "--model", "tiny-llama", "--layout", "tp=2,dp_shard=2", "--db", str(tmp_path / "o.sqlite"),
+            "--threads", "1", "--spec", "A100-SXM4-80GB", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    # every distinct op of the traced step (forward, backward, AdamW, FSDP copy-in/out) ran for real
+    assert data["distinct"] > 50 and data["profiled_now"] == data["distinct"] and data["failed"] == {}
+    assert data["ops"] > data["distinct"] and data["unknown"] == [] and data["measured_s"] > 0
+    assert main(["profile", "--model", "tiny-llama", "--layout", "tp=two"]) == 2
+    assert "not AXIS=DEGREE" in capsys.readouterr().err

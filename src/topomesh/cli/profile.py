@@ -1,7 +1,9 @@
 """``topomesh profile``: time every distinct op of a traced step on this device.
 
-Ops come from a JSON file of op records (``--records``, the format
-:func:`topomesh.cost.ops.records_to_json` writes: a list of objects with ``op``,
+Ops come from a trace of a built-in model preset under a layout (``--model tiny-llama
+--layout tp=2,dp_shard=2``: :func:`topomesh.trace.tracer.trace_step` on two blocks,
+composed to the preset's depth) or from a JSON file of op records (``--records``, the
+format :func:`topomesh.cost.ops.records_to_json` writes: a list of objects with ``op``,
 ``inputs``/``outputs`` as ``{"shape", "dtype", "stride"}``, ``flops``, ``bytes_moved``,
 ``phase`` and ``args``). Each distinct signature not yet in the shared op-profile table
 is run for real and its median stored; the summary splits the step's op time into
@@ -19,14 +21,22 @@ from typing import Any
 from topomesh.cost.devices import current_device_spec, device_fingerprint, device_spec
 from topomesh.cost.opdb import OpProfileDB, default_db_path
 from topomesh.cost.ops import CostSummary, ProfileRun, cost_summary, profile_ops, records_from_json
-from topomesh.errors import CalibrationError, TraceError
+from topomesh.errors import CalibrationError, LayoutError, TraceError
+from topomesh.trace.graph import OpRecord
 
 HELP = "Profile each distinct op of a traced step on this device into the shared op-profile table."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--records", type=Path, required=True, metavar="FILE",
-                   help="JSON list of op records (see docs/cost.md for the format)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="PRESET", help="built-in model preset to trace (e.g. tiny-llama, llama3-8b)")
+    src.add_argument("--records", type=Path, metavar="FILE",
+                     help="JSON list of op records (see docs/cost.md for the format)")
+    p.add_argument("--layout", default="dp_shard=1", metavar="AXIS=N,...",
+                   help="mesh axes and degrees for --model, e.g. tp=2,dp_shard=2 (pp is left out of a trace)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
+    p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per rank (default 1)")
+    p.add_argument("--dtype", default="bfloat16", help="training dtype for --model (default bfloat16)")
     p.add_argument("--device", default="cpu", help="torch device to profile on: cpu or cuda[:i] (default cpu)")
     p.add_argument("--db", type=Path, default=None, help=f"op-profile SQLite file (default {default_db_path()})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads while profiling (part of the key)")
@@ -44,6 +54,40 @@ def _load(path: Path) -> list[Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise TraceError(f"{path}: cannot read op records ({exc})") from None
     return records_from_json(data)
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    """``tp=2,dp_shard=4`` → ``{"tp": 2, "dp_shard": 4}``.
+
+    >>> parse_layout("tp=2, dp_shard=4")
+    {'tp': 2, 'dp_shard': 4}
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        axis, eq, degree = part.partition("=")
+        if not eq or not degree.strip().isdigit() or int(degree) < 1:
+            raise LayoutError(f"--layout entry {part!r} is not AXIS=DEGREE with a positive integer degree")
+        out[axis.strip()] = int(degree)
+    return out
+
+
+def _trace_records(args: argparse.Namespace) -> list[OpRecord]:
+    import torch
+
+    from topomesh.models.parallelize import make_parallelize
+    from topomesh.models.presets import get_preset
+    from topomesh.trace.tracer import trace_step, transformer_spec
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TraceError(f"--dtype {args.dtype!r} is not a torch dtype")
+    spec = transformer_spec(get_preset(args.model), seq_len=args.seq_len)
+    traced = min(2, spec.n_layers)
+    trace = trace_step(spec, make_parallelize(), parse_layout(args.layout), n_layers=traced,
+                       batch_size=args.batch_size, dtype=dtype)
+    if spec.n_layers > traced:
+        trace = trace.compose(spec.n_layers)
+    return [e for e in trace.events() if isinstance(e, OpRecord)]
 
 
 def _profile(records: list[Any], db: OpProfileDB, device: str, fp: str, show: bool) -> ProfileRun:
@@ -89,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CalibrationError(f"--device {args.device}: CUDA is not available on this machine")
-    records = _load(args.records)
+    records = _load(args.records) if args.records else _trace_records(args)
     fp = device_fingerprint(args.device)
     spec = device_spec(args.spec) if args.spec else current_device_spec(args.device)
     with OpProfileDB(args.db) as db:

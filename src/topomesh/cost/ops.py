@@ -205,8 +205,10 @@ def make_tensor(meta: TensorMeta, device: str) -> Any:
     return torch.as_strided(flat, meta.shape, meta.stride)
 
 
-def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Positional arguments in schema order: tensors where the schema takes tensors, ``args`` elsewhere.
+def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Positional and keyword arguments in schema order: tensors where the schema takes
+    tensors, ``args`` elsewhere; tensors left over fill keyword-only tensor parameters
+    (``out=``) in order.
 
     ``args`` are the node's non-tensor positional arguments in order, as the tracer records
     them (a tensor list shows up there as a tuple of ``None`` placeholders, one per tensor).
@@ -218,13 +220,25 @@ def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> lis
     def elem(t: Any) -> Any:
         return t.getElementType() if isinstance(t, torch._C.OptionalType) else t
 
+    def tensor_list(t: Any) -> bool:
+        return isinstance(t, torch._C.ListType) and isinstance(elem(t.getElementType()), torch._C.TensorType)
+
     out: list[Any] = []
+    kwargs: dict[str, Any] = {}
     tensors, args = list(tensors), list(args)
+    positional = True
     for arg in op._schema.arguments:
-        if arg.kwarg_only:
-            break
         typ = elem(arg.type)
-        if isinstance(typ, torch._C.ListType) and isinstance(elem(typ.getElementType()), torch._C.TensorType):
+        if arg.kwarg_only:
+            positional = False
+            if tensor_list(typ) and tensors:
+                kwargs[arg.name], tensors = tensors, []
+            elif isinstance(typ, torch._C.TensorType) and tensors:
+                kwargs[arg.name] = tensors.pop(0)
+            continue
+        if not positional:
+            break
+        if tensor_list(typ):
             take = len(tensors)
             if args and isinstance(args[0], (tuple, list)) and all(x is None for x in args[0]):
                 take = len(args.pop(0))
@@ -237,10 +251,10 @@ def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> lis
         elif isinstance(typ, torch._C.TensorType) and isinstance(arg.type, torch._C.OptionalType):
             out.append(None)
         else:
-            break
+            positional = False
     if tensors:
         raise TypeError(f"{len(tensors)} input tensors left over after filling the schema {op._schema}")
-    return out
+    return out, kwargs
 
 
 def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repeats: int = 5,
@@ -256,10 +270,10 @@ def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repea
 
     op = resolve_op(record.op)
     inputs = [make_tensor(t, device) for t in record.inputs]
-    call_args = _call_arguments(op, inputs, record.args)
+    call_args, call_kwargs = _call_arguments(op, inputs, record.args)
 
     def run() -> None:
-        op(*call_args)
+        op(*call_args, **call_kwargs)
 
     with torch.no_grad():
         if device.startswith("cuda"):
