@@ -105,7 +105,7 @@ class TransformerConfig:
         >>> c = TransformerConfig(name="x", arch=Arch.GPT, n_layers=1, hidden=8, n_heads=2,
         ...                       ffn_hidden=32, vocab_size=10, seq_len=4)
         >>> c.block_params()  # 4*8*8+4*8 (attn) + 2*8*32+32+8 (mlp) + 2*2*8 (norms)
-        904
+        872
         """
         h, kv = self.hidden, self.kv_heads * self.head_dim
         bias = self.arch is Arch.GPT

@@ -1,0 +1,134 @@
+"""``topomesh trace``: trace a built-in model's training step under a layout, on this CPU.
+
+Example::
+
+    topomesh trace llama3-70b --tp 8 --dp-shard 4 --seq-len 4096
+    topomesh trace tiny-llama --tp 2 --dp-shard 2 --json
+
+The model is traced with two blocks and composed to its full depth (``--full`` traces
+every block instead). Prints ops by kind, FLOPs per phase, collectives by kind / mesh axis /
+phase with bytes per step on one rank, and ops the cost model does not know.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+from topomesh.errors import LayoutError
+
+HELP = "Trace a model's training step under a layout (fake tensors, one CPU process): ops, FLOPs, collectives."
+
+_AXES = ("dp_replicate", "dp_shard", "cp", "ep", "tp", "pp")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from topomesh.models.parallelize import Checkpointing
+    from topomesh.models.presets import PRESETS
+
+    p.add_argument("model", metavar="MODEL_PRESET", help=f"one of: {', '.join(PRESETS)}")
+    for axis in _AXES:
+        p.add_argument(f"--{axis.replace('_', '-')}", dest=axis, type=int, default=1, metavar="N",
+                       help=f"degree of the {axis} mesh axis (default 1)")
+    p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the preset's)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    p.add_argument("--no-sp", action="store_true", help="tensor parallel without sequence parallel")
+    p.add_argument("--checkpointing", choices=[c.value for c in Checkpointing], default="none")
+    p.add_argument("--no-optimizer", action="store_true", help="trace forward and backward only")
+    p.add_argument("--full", action="store_true", help="trace every block instead of composing from two")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from topomesh.models.parallelize import Checkpointing, ParallelOptions, make_parallelize
+    from topomesh.models.presets import get_preset
+    from topomesh.trace.tracer import default_optimizer, trace_step, transformer_spec
+
+    cfg = get_preset(args.model)
+    if args.seq_len is not None:
+        if args.seq_len <= 0:
+            raise LayoutError(f"--seq-len must be positive, got {args.seq_len}.")
+        cfg = dataclasses.replace(cfg, seq_len=args.seq_len)
+    if args.batch_size <= 0:
+        raise LayoutError(f"--batch-size must be positive, got {args.batch_size}.")
+    layout = {a: getattr(args, a) for a in _AXES if getattr(args, a) != 1}
+    for a, d in layout.items():
+        if d < 1:
+            raise LayoutError(f"--{a.replace('_', '-')} must be at least 1, got {d}.")
+    options = ParallelOptions(sequence_parallel=not args.no_sp, checkpointing=Checkpointing(args.checkpointing))
+    spec = transformer_spec(cfg)
+    traced = cfg.n_layers if args.full else min(2, cfg.n_layers)
+    err = Console(stderr=True)
+    with err.status(f"tracing {cfg.name} ({traced} of {cfg.n_layers} blocks) under {layout or 'one rank'}"):
+        trace = trace_step(
+            spec, make_parallelize(options), layout, n_layers=traced, batch_size=args.batch_size,
+            dtype=_DTYPES[args.dtype], optimizer=None if args.no_optimizer else default_optimizer,
+            split_blocks=not args.full,
+        )
+    if not args.full and cfg.n_layers > traced:
+        trace = trace.compose(cfg.n_layers)
+    err.print(f"traced in {trace.trace_s:.2f} s", highlight=False)
+    summary = trace.summary()
+    doc = {
+        "model": cfg.name,
+        "layout": dict(trace.layout),
+        "pp": args.pp,
+        "world_size": trace.world_size * args.pp,
+        "batch_size": args.batch_size,
+        "seq_len": cfg.seq_len,
+        "dtype": args.dtype,
+        "n_layers": trace.n_layers,
+        "traced_layers": trace.traced_layers,
+        "trace_s": round(trace.trace_s, 4),
+        **summary.to_json(),
+    }
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    _print(doc)
+    return 0
+
+
+def _print(doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    out.print(
+        f"[bold]{doc['model']}[/] layout {doc['layout'] or '{}'} (pp {doc['pp']}, world {doc['world_size']}), "
+        f"batch {doc['batch_size']} × seq {doc['seq_len']}, {doc['dtype']}, "
+        f"{doc['n_layers']} layers from {doc['traced_layers']} traced; one rank, one step"
+    )
+    t = Table(title="FLOPs (local shapes)")
+    t.add_column("phase")
+    t.add_column("TFLOP", justify="right")
+    for phase, f in doc["flops_by_phase"].items():
+        t.add_row(phase, f"{f / 1e12:.4g}")
+    t.add_row("total", f"{doc['flops'] / 1e12:.4g}")
+    out.print(t)
+    t = Table(title="Collectives per step")
+    for c in ("kind", "mesh axis", "phase", "count"):
+        t.add_column(c)
+    t.add_column("MiB", justify="right")
+    for c in doc["collectives"]:
+        t.add_row(c["kind"], c["mesh_axis"], c["phase"], str(c["count"]), f"{c['bytes'] / 2**20:.4g}")
+    out.print(t)
+    t = Table(title="Ops by kind (top 25 by count)")
+    t.add_column("op")
+    t.add_column("count", justify="right")
+    for op, n in sorted(doc["op_counts"].items(), key=lambda kv: -kv[1])[:25]:
+        t.add_row(op, str(n))
+    out.print(t)
+    if doc["unknown_ops"]:
+        out.print("[yellow]ops the cost model does not know:[/] " + ", ".join(f"{k} ×{v}" for k, v in doc["unknown_ops"].items()))
+    else:
+        out.print("no unknown ops")
