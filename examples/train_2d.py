@@ -195,7 +195,11 @@ def parallelize(model: Transformer, tp_mesh, *, sequence_parallel: bool = True) 
     return model
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: argparse.Namespace, *, destroy: bool = True) -> dict[str, object]:
+    """Train ``args.steps`` steps on this rank; returns its record (losses, gradients, mesh).
+
+    ``destroy=False`` leaves the process group to whoever created it (Ray Train).
+    """
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.tensor import DTensor
@@ -246,7 +250,9 @@ def train(args: argparse.Namespace) -> None:
     if args.out and tp_rank == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         torch.save(record, Path(args.out) / f"rank{dist.get_rank()}.pt")
-    dist.destroy_process_group()
+    if destroy:
+        dist.destroy_process_group()
+    return record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,6 +4,7 @@ matches a single-process reference: the loss and every gradient of 3 steps."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,16 +39,23 @@ def test_tp_pp_matches_single_process_reference(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
+    records = _check_against_reference(out)
+    for rec in records:
+        # the mesh came from the topology file topomesh launch wrote, placed by topomesh
+        assert rec["topology_file"] and Path(rec["topology_file"]).is_relative_to(tmp_path / "topo")
+        placed = place_layout({"pp": 2, "tp": 2}, topology=rec["topology_file"], world_size=4)
+        assert rec["mesh"] == placed.mesh().tolist()
+    assert "step 3 loss" in proc.stdout
+
+
+def _check_against_reference(out: Path) -> list[dict]:
+    """Every saved loss and gradient equals the one-process reference; returns the records."""
     ex = _example_module()
     ref_losses, ref_grads = ex.reference_run(ex.Config(), STEPS)
     records = [torch.load(f) for f in sorted(out.glob("rank*.pt"))]
     assert sorted(r["stage"] for r in records) == [0, 1]  # the tp-rank-0 of each stage wrote
     seen: set[str] = set()
     for rec in records:
-        # the mesh came from the topology file topomesh launch wrote, placed by topomesh
-        assert rec["topology_file"] and Path(rec["topology_file"]).is_relative_to(tmp_path / "topo")
-        placed = place_layout({"pp": 2, "tp": 2}, topology=rec["topology_file"], world_size=4)
-        assert rec["mesh"] == placed.mesh().tolist()
         for step in range(STEPS):
             for name, grad in rec["grads"][step].items():
                 torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-4, atol=1e-6, msg=name)
@@ -55,4 +63,20 @@ def test_tp_pp_matches_single_process_reference(tmp_path: Path) -> None:
         if rec["stage"] == 1:
             assert rec["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert seen == set(ref_grads[0])  # every parameter of the model was checked
-    assert "step 3 loss" in proc.stdout
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_ray_torchtrainer_matches_reference(tmp_path: Path) -> None:
+    """The same run under Ray Train's TorchTrainer (4 workers, local 2-CPU Ray)."""
+    pytest.importorskip("ray.train.torch")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(EXAMPLE.with_name("ray_train_2d.py")), "--steps", str(STEPS),
+           "--out", str(out), "--storage", str(tmp_path / "ray")]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = _check_against_reference(out)
+    assert all(rec["topology_file"] is None for rec in records)  # single-host default placement
