@@ -165,7 +165,7 @@ def _matrix_ranks(topo: Topology, max_ranks: int) -> tuple[list[int], str | None
 def rank_matrix(topo: Topology, *, max_ranks: int = 32) -> RenderableType:
     """The ``nvidia-smi topo -m`` picture between ranks, with a legend of the kinds shown."""
     ranks, note = _matrix_ranks(topo, max_ranks)
-    table = Table(title="rank-to-rank links", title_justify="left", box=None, pad_edge=False)
+    table = Table(box=None, pad_edge=False)
     table.add_column("")
     for r in ranks:
         table.add_column(f"R{r}", justify="center")
@@ -177,7 +177,7 @@ def rank_matrix(topo: Topology, *, max_ranks: int = 32) -> RenderableType:
             shown.add(conn.kind)
             cells.append(Text(cell_label(conn), style=KIND_COLORS[conn.kind]))
         table.add_row(f"R{a}", *cells)
-    parts: list[RenderableType] = [table]
+    parts: list[RenderableType] = [Text("rank-to-rank links", style="italic"), table]
     if note:
         parts.append(Text(note, style="italic"))
         inter = {topo.connection(ranks[0], b).kind for b in range(topo.world_size) if not topo.same_host(ranks[0], b)}
@@ -214,7 +214,7 @@ def used_connections(topo: Topology) -> set[Connection]:
 def links_table(topo: Topology) -> Table:
     """Every distinct connection of the world with its latency, bandwidth and channels."""
     table = Table(title="connections", title_justify="left")
-    for col, just in (("kind", "left"), ("cell", "left"), ("bandwidth GB/s", "right"), ("latency us", "right"), ("channels", "right"), ("numbers", "left")):
+    for col, just in (("kind", "left"), ("cell", "left"), ("bandwidth GB/s", "right"), ("latency us", "right"), ("channels", "right"), ("measured", "left")):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     seen = sorted(used_connections(topo), key=lambda c: (c.kind.tier, c.kind.value, -c.bandwidth_GBps))
     for c in seen:
@@ -224,7 +224,7 @@ def links_table(topo: Topology) -> Table:
             format(c.bandwidth_GBps, "g"),
             format(c.latency_us, "g"),
             str(c.channels),
-            "measured" if c.measured else "default",
+            "yes" if c.measured else "no",
         )
     return table
 
