@@ -75,3 +75,22 @@ def test_cli_local_json_and_bad_input(tmp_path, capsys):
     assert main(["calibrate", "--local", "1"]) == 2
     assert "at least 2 processes" in capsys.readouterr().err
     assert main(["calibrate", "--local", "2", "--collectives", "all_sum"]) == 2
+
+
+def test_hosts_and_links_come_from_the_topology_file_when_the_launcher_wrote_one(tmp_path, monkeypatch):
+    from topomesh.cost.calibrate import _hosts_and_links
+    from topomesh.topology.api import ENV_VAR, save_topology
+    from topomesh.topology.build import build_topology, default_placement
+    from topomesh.topology.model import Host
+
+    hosts = [Host(hostname="node-a"), Host(hostname="node-b")]
+    topo = build_topology(hosts, default_placement(hosts, [2, 2]))
+    monkeypatch.setenv(ENV_VAR, str(save_topology(topo, tmp_path / "topo.json")))
+    # every process reports the same hostname here; the topology still knows two hosts
+    names, link_of, source = _hosts_and_links(["vm"] * 4, "cpu")
+    assert names == ["node-a", "node-a", "node-b", "node-b"] and "topology file" in source
+    groups = plan_groups(names, link_of)
+    assert [(g.ranks, g.scope, g.link) for g in groups] == [
+        ((0, 1), "intra", LinkKind.SHM), ((0, 2), "inter", LinkKind.NIC)]
+    with pytest.raises(CalibrationError, match="describes 4 ranks but this job has 2"):
+        _hosts_and_links(["vm"] * 2, "cpu")

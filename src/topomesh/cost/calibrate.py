@@ -124,24 +124,35 @@ def plan_groups(hosts: Sequence[str], link_of: Callable[[tuple[int, ...]], LinkK
     return out
 
 
-def _topology_link_of(hosts: Sequence[str], device: str) -> tuple[Callable[[tuple[int, ...]], LinkKind], str]:
-    """How to name a group's link: the topology file's slowest ring link, else by host."""
+def _hosts_and_links(hostnames: Sequence[str], device: str
+                     ) -> tuple[list[str], Callable[[tuple[int, ...]], LinkKind], str]:
+    """Each rank's host and how to name a group's link.
+
+    With ``WORLD_TOPOLOGY_FILE`` (set by ``topomesh launch``): hosts and the slowest ring link
+    from the topology. Without: hosts by hostname, SHM (CPU) or PHB (GPU) inside a host,
+    NIC between hosts.
+    """
     from topomesh.topology.api import ENV_VAR, load_topology
 
     if os.environ.get(ENV_VAR):
         topo = load_topology()
+        if topo.world_size != len(hostnames):
+            raise CalibrationError(
+                f"{os.environ[ENV_VAR]} describes {topo.world_size} ranks but this job has {len(hostnames)}"
+            )
 
         def from_topology(ranks: tuple[int, ...]) -> LinkKind:
             kinds = [topo.connection(a, b).kind for a, b in zip(ranks, ranks[1:] + ranks[:1], strict=True)]
             return max(kinds, key=lambda k: k.tier)
 
-        return from_topology, f"topology file {os.environ[ENV_VAR]}"
+        hosts = [topo.hosts[topo.ranks[r].host].hostname for r in range(topo.world_size)]
+        return hosts, from_topology, f"topology file {os.environ[ENV_VAR]}"
     intra = LinkKind.SHM if device == "cpu" else LinkKind.PHB
 
     def by_host(ranks: tuple[int, ...]) -> LinkKind:
-        return intra if len({hosts[r] for r in ranks}) == 1 else LinkKind.NIC
+        return intra if len({hostnames[r] for r in ranks}) == 1 else LinkKind.NIC
 
-    return by_host, f"no topology file: {intra.value} inside a host, NIC between hosts"
+    return list(hostnames), by_host, f"no topology file: {intra.value} inside a host, NIC between hosts"
 
 
 def _buffers(kind: CollectiveKind, nbytes: int, n: int, device: str) -> tuple[Any, Any]:
@@ -323,8 +334,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         dev_name = torch.cuda.get_device_name(device) if device != "cpu" else "cpu"
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, (socket.gethostname(), dev_name))
-        hosts = [h for h, _ in ranks]
-        link_of, link_source = _topology_link_of(hosts, "cpu" if device == "cpu" else "cuda")
+        hosts, link_of, link_source = _hosts_and_links([h for h, _ in ranks], "cpu" if device == "cpu" else "cuda")
         groups = plan_groups(hosts, link_of, cfg.max_group)
         if not groups:
             raise CalibrationError(f"a world of {len(hosts)} rank(s) has no group of 2 or more to measure")
