@@ -231,9 +231,9 @@ def links_table(topo: Topology) -> Table:
 
 _DOMAIN_KINDS: Sequence[tuple[str, LinkKind]] = (
     ("NVLink islands", LinkKind.NVLINK),
-    ("NVLink or PCIe switch (<= PXB)", LinkKind.PXB),
+    ("PXB or faster (PCIe switch)", LinkKind.PXB),
     ("hosts", LinkKind.SHM),
-    ("IB fabric", LinkKind.IB),
+    ("IB or faster", LinkKind.IB),
 )
 
 
