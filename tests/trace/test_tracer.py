@@ -1,0 +1,162 @@
+"""Traced steps against hand-derived formulas (Megatron TP/SP, FSDP, FLOPs, EP, checkpointing).
+
+Shapes: tiny-llama has hidden h=64, 8 heads (4 kv heads, head dim 8), ffn 160, vocab 256,
+sequence s=32; batch b=2; bf16 (2 bytes). One TP activation is b·s·h·2 = 8192 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+
+import pytest
+
+from topomesh.models.parallelize import Checkpointing, ParallelOptions, make_parallelize
+from topomesh.models.presets import get_preset
+from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase
+from topomesh.trace.result import Part, Trace
+from topomesh.trace.tracer import trace_step, transformer_spec
+
+B = 2
+BF16 = 2
+
+
+@functools.cache
+def _trace(preset: str, layout: tuple, opts: ParallelOptions | None = None, *,
+           layers: int = 2, optimizer: bool = False, split: bool = True) -> Trace:
+    spec = transformer_spec(dataclasses.replace(get_preset(preset), n_layers=layers))
+    kw = {} if optimizer else {"optimizer": None}
+    return trace_step(spec, make_parallelize(opts), dict(layout), n_layers=layers, batch_size=B,
+                      split_blocks=split, **kw)
+
+
+def _block_collectives(t: Trace, phase: Phase) -> list[list[tuple[str, int, str | None]]]:
+    return [
+        sorted((e.kind.value, e.bytes, e.mesh_axis) for e in s.events if isinstance(e, CollectiveRecord))
+        for s in t.segments if s.part is Part.BLOCK and s.phase is phase
+    ]
+
+
+def test_tp_without_sp_is_megatron_pattern() -> None:
+    t = _trace("tiny-llama", (("tp", 2),), ParallelOptions(sequence_parallel=False))
+    act = B * 32 * 64 * BF16
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        blocks = _block_collectives(t, phase)
+        assert len(blocks) == 2
+        # two all-reduces of one activation per block and direction (after wo / w2 forward,
+        # at the attention / MLP inputs backward)
+        assert all(b == [("all_reduce", act, "tp")] * 2 for b in blocks), blocks
+
+
+def test_tp_with_sp_gathers_and_scatters_full_sequence() -> None:
+    t = _trace("tiny-llama", (("tp", 2),))
+    act = B * 32 * 64 * BF16  # the full sequence: gathered output / scattered input
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        for b in _block_collectives(t, phase):
+            assert b == [("all_gather", act, "tp")] * 2 + [("reduce_scatter", act, "tp")] * 2
+    rec = next(e for e in t.events() if isinstance(e, CollectiveRecord))
+    assert rec.group_size == 2 and rec.dtype == "bfloat16"
+
+
+def test_fsdp_bytes_are_the_parameters() -> None:
+    cfg = dataclasses.replace(get_preset("tiny-gpt"), n_layers=4)
+    t = _trace("tiny-gpt", (("dp_shard", 2),), layers=2).compose(4)
+    coll = t.summary().collectives
+    params_bytes = cfg.total_params() * BF16  # every dim is even: no FSDP padding
+    # all-gather output = the unsharded parameters; each rank contributes params/dp_shard
+    fwd = coll[("all_gather", "dp_shard", "forward")]
+    assert (fwd.count, fwd.bytes) == (cfg.n_layers + 1, params_bytes)  # blocks + root
+    # resharded after forward, so gathered again for backward; gradients reduce-scattered
+    assert coll[("all_gather", "dp_shard", "backward")].bytes == params_bytes
+    assert coll[("reduce_scatter", "dp_shard", "backward")].bytes == params_bytes
+    assert all(e.group_size == 2 for e in t.events() if isinstance(e, CollectiveRecord))
+
+
+def test_flops_on_local_shapes() -> None:
+    tp, layers = 2, 4
+    cfg = dataclasses.replace(get_preset("tiny-llama"), n_layers=layers)
+    h, s, v, kv = cfg.hidden, cfg.seq_len, cfg.vocab_size, cfg.kv_heads * cfg.head_dim
+    mm_params = layers * (2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_hidden) + v * h
+    tokens = B * s
+    attn_fwd = layers * 4 * B * s * s * h  # QKᵀ and AV, non-causal as FlopCounterMode
+    attn_bwd = layers * 10 * B * s * s * h  # recomputed scores + 4 gradient matmuls
+    flops = _trace("tiny-llama", (("tp", tp), ("dp_shard", 2)), layers=2).compose(layers).summary().flops_by_phase
+    assert flops["forward"] == (2 * tokens * mm_params + attn_fwd) // tp
+    assert flops["backward"] == (4 * tokens * mm_params + attn_bwd) // tp
+    # ≈ 6·N·tokens plus attention, divided by tp
+    assert flops["forward"] + flops["backward"] == pytest.approx(
+        (6 * mm_params * tokens + attn_fwd + attn_bwd) / tp, rel=1e-9
+    )
+
+
+def test_composed_equals_full_trace() -> None:
+    layout = (("dp_shard", 2), ("tp", 2))
+    composed = _trace("tiny-llama", layout, layers=2, optimizer=True).compose(3)
+    full = _trace("tiny-llama", layout, layers=3, optimizer=True, split=False)
+    assert Counter(composed.events()) == Counter(full.events())
+    blocks = Counter(e for s in composed.segments if s.part is Part.BLOCK for e in s.events)
+    assert composed.summary().op_counts == full.summary().op_counts
+    assert sum(blocks.values()) > 0.7 * sum(1 for _ in full.events()) / 1.5  # blocks dominate
+
+
+def test_composed_equals_full_trace_moe_expert_parallel() -> None:
+    layout = (("dp_shard", 2), ("ep", 2))
+    composed = _trace("tiny-moe", layout, layers=2).compose(3)
+    full = _trace("tiny-moe", layout, layers=3, split=False)
+    assert Counter(composed.events()) == Counter(full.events())
+
+
+def test_expert_parallel_all_to_all() -> None:
+    cfg = get_preset("tiny-moe")
+    t = _trace("tiny-moe", (("ep", 2),))
+    cap = -(-B * cfg.seq_len * cfg.top_k // cfg.n_experts)  # capacity factor 1
+    buf = cfg.n_experts * cap * cfg.hidden * BF16
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        for b in _block_collectives(t, phase):
+            assert b == [("all_to_all", buf, "ep")] * 2
+
+
+def test_full_checkpointing_recomputes_forward_and_selective_keeps_matmuls() -> None:
+    layout = (("dp_shard", 2),)
+    base = _trace("tiny-gpt", layout, split=False).summary()
+    full = _trace("tiny-gpt", layout, ParallelOptions(checkpointing=Checkpointing.FULL), split=False).summary()
+    sel = _trace("tiny-gpt", layout, ParallelOptions(checkpointing=Checkpointing.SELECTIVE), split=False).summary()
+    cfg = get_preset("tiny-gpt")
+    head_fwd = 2 * B * cfg.seq_len * cfg.hidden * cfg.vocab_size
+    blocks_fwd = base.flops_by_phase["forward"] - head_fwd
+    # Non-reentrant checkpointing stops recomputing once every saved tensor is back: the
+    # last matmul of each block (w2) is not rerun, its output is not needed for backward.
+    w2_fwd = 2 * B * cfg.seq_len * cfg.ffn_hidden * cfg.hidden
+    recomputed = blocks_fwd - cfg.n_layers * w2_fwd
+    assert full.flops_by_phase["backward"] == base.flops_by_phase["backward"] + recomputed
+    assert sel.flops_by_phase["backward"] == base.flops_by_phase["backward"]
+    assert sum(sel.op_counts.values()) > sum(base.op_counts.values())  # pointwise recomputed
+
+
+def test_optimizer_updates_every_local_parameter_once() -> None:
+    cfg = dataclasses.replace(get_preset("tiny-llama"), n_layers=3)
+    t = _trace("tiny-llama", (("dp_shard", 2),), layers=2, optimizer=True).compose(3)
+    n_params = 3 * len(list(_param_names(cfg, block=True))) + len(list(_param_names(cfg, block=False)))
+    lerps = [e for e in t.events() if isinstance(e, OpRecord) and e.op == "aten.lerp_.Scalar"]
+    assert len(lerps) == n_params and all(e.phase is Phase.OPTIMIZER for e in lerps)
+    # each rank updates its FSDP shard: half of every parameter
+    assert sum(e.inputs[0].numel for e in lerps) == cfg.total_params() // 2
+
+
+def _param_names(cfg, *, block: bool):  # noqa: ANN001, ANN202
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from topomesh.models.transformer import Transformer
+
+    with FakeTensorMode():
+        m = Transformer(dataclasses.replace(cfg, n_layers=1))
+    for name, _ in m.named_parameters():
+        if name.startswith("layers.") == block:
+            yield name
+
+
+def test_collective_kinds_are_ours() -> None:
+    t = _trace("tiny-llama", (("tp", 2),))
+    kinds = {e.kind for e in t.events() if isinstance(e, CollectiveRecord)}
+    assert kinds <= set(CollectiveKind) and CollectiveKind.ALL_GATHER in kinds
