@@ -133,3 +133,15 @@ def test_hsdp_mesh_rows_shard_columns_replicate() -> None:
     assert mesh.tolist() == [[10, 11, 12, 13], [14, 15, 16, 17]]
     rep = shard.transpose()
     assert [list(c) for c in mesh.T] == [[10 + r for r in grp] for grp in rep.groups()]
+
+
+def test_layout_dp_axes_are_a_grouping_and_its_transpose() -> None:
+    """HSDP in a Layout (dp_shard fastest) is ReplicaGrouping(group_size=dp_shard) and its transpose."""
+    from topomesh.layout.dims import Layout
+    from topomesh.layout.ranks import axis_groups, logical_mesh
+
+    lay = Layout(dp_shard=4, dp_replicate=2)
+    shard = ReplicaGrouping(num_replicas=8, group_size=4)
+    assert axis_groups(lay, "dp_shard") == shard.groups()
+    assert axis_groups(lay, "dp_replicate") == shard.transpose().groups()
+    assert logical_mesh(lay).tolist() == hsdp_mesh_ranks(shard).tolist()
