@@ -12,7 +12,7 @@ sizes 2, 4, ... up to the world, separately for a group inside one host (intra-n
 a group of one rank per host (inter-node). The link kind of a group is its slowest ring
 link in ``WORLD_TOPOLOGY_FILE`` when the launcher wrote one, else SHM (CPU) / PHB (GPU)
 inside a host and NIC between hosts. Each point is timed ``repeats`` times between
-barriers; a point's time is the slowest rank's median. Rank 0 fits every collective ×
+barriers, interleaved across sizes; a point's time is the slowest rank's median. Rank 0 fits every collective ×
 link kind (:func:`topomesh.cost.collectives.fit_collective`: alpha-beta or piecewise,
 error on held-out sizes) and writes the profile JSON.
 """
@@ -190,24 +190,44 @@ def _op(kind: CollectiveKind, inp: Any, out: Any, group: Any, ranks: tuple[int, 
     return lambda: dist.recv(inp, src=ranks[0])
 
 
-def _time_point(fn: Callable[[], None], group: Any, repeats: int, warmup: int, device: str) -> float:
+def _time_once(fn: Callable[[], None], group: Any, device: str) -> float:
     import torch
     import torch.distributed as dist
 
-    cuda = device.startswith("cuda")
-    for _ in range(warmup):
-        fn()
-    if cuda:
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    if device.startswith("cuda"):
         torch.cuda.synchronize(device)
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - t0
+
+
+def _measure_sizes(cfg: SweepConfig, kind: CollectiveKind, spec: GroupSpec, pg: Any, me: int, device: str,
+                   progress: Callable[[str], None] | None) -> list[float]:
+    """Median seconds per size on this rank. Repeats are interleaved across sizes (round
+    robin), so a burst of load from other processes spreads over many sizes instead of
+    spoiling every repeat of one."""
+    import torch
+
+    sizes = cfg.sizes()
+    fns = []
+    for nbytes in sizes:
+        inp, out = _buffers(kind, nbytes, len(spec.ranks), device)
+        fns.append(_op(kind, inp, out, pg, spec.ranks, me))
+    for fn in fns:
+        for _ in range(cfg.warmup):
+            fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    reps = [cfg.repeats(b) for b in sizes]
+    times: list[list[float]] = [[] for _ in sizes]
+    for r in range(max(reps)):
+        for i, fn in enumerate(fns):
+            if r < reps[i]:
+                times[i].append(_time_once(fn, pg, device))
+                if progress and r == reps[i] - 1:
+                    progress(f"{kind.value} n={len(spec.ranks)} {spec.scope} {sizes[i]} B")
+    return [statistics.median(t) for t in times]
 
 
 def run_sweep(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str,
@@ -223,23 +243,15 @@ def run_sweep(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str,
     samples: list[Sample] = []
     for spec in groups:
         pg = None if len(spec.ranks) == world else dist.new_group(list(spec.ranks))
-        member = me in spec.ranks
-        for kind in cfg.collectives:
-            if kind is CollectiveKind.SEND_RECV and len(spec.ranks) != 2:
-                continue
-            medians = []
-            for nbytes in cfg.sizes():
-                if member:
-                    inp, out = _buffers(kind, nbytes, len(spec.ranks), device)
-                    fn = _op(kind, inp, out, pg, spec.ranks, me)
-                    medians.append(_time_point(fn, pg, cfg.repeats(nbytes), cfg.warmup, device))
-                    if progress:
-                        progress(f"{kind.value} n={len(spec.ranks)} {spec.scope} {nbytes} B")
-            if member:
+        if me in spec.ranks:
+            n = len(spec.ranks)
+            for kind in cfg.collectives:
+                if kind is CollectiveKind.SEND_RECV and n != 2:
+                    continue
+                medians = _measure_sizes(cfg, kind, spec, pg, me, device, progress)
                 worst = torch.tensor(medians, dtype=torch.float64, device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pg)
                 if me == spec.ranks[0]:
-                    n = len(spec.ranks)
                     for nbytes, t in zip(cfg.sizes(), worst.tolist(), strict=True):
                         # record the per-rank buffer as CollectiveRecord defines it
                         elems = max(n, nbytes // 4 // n * n)
