@@ -52,7 +52,7 @@ def _worker_identity() -> tuple[str, list[int]]:
     return ray.get_runtime_context().get_node_id(), [int(g) for g in ray.get_gpu_ids()]
 
 
-def _node_entry(group_rank: int, slots: Sequence[tuple[int, int, list[int]]], nproc: int) -> bytes:
+def _node_entry(group_rank: int, slots: Sequence[tuple[int, int, list[int]]], nproc: int) -> tuple[bytes, str, bytes]:
     """Discover this node and describe its workers: ``(world_rank, local_rank, gpu_ids)``."""
     from topomesh.launch.local import discover_local_host, local_devices
 
@@ -64,7 +64,7 @@ def _node_entry(group_rank: int, slots: Sequence[tuple[int, int, list[int]]], np
         dev = by_index.get(gpus[0]) if gpus else None
         workers.append(exchange.WorkerSlot(global_rank=rank, local_rank=local, device=dev or fallback[local]))
     entry = exchange.NodeEntry(group_rank=group_rank, host=host, workers=tuple(workers))
-    return exchange.encode_node(entry)
+    return (exchange.encode_node(entry), *exchange.host_class(host))
 
 
 def _write_file(base: str | None, run_id: str, text: str, restart_count: int) -> str:
@@ -125,7 +125,11 @@ def publish_topology(worker_group: Any, config: TopologyTorchConfig, *, run_id: 
             for g, (node_id, ranks) in enumerate(nodes.items())
         ]
     )
-    entries = [exchange.decode_node(b, group_rank=g) for g, b in enumerate(blobs)]
+    classes = exchange.HostClasses()
+    entries = []
+    for g, (node_blob, digest, body) in enumerate(blobs):
+        classes.add(digest, body, group_rank=g)
+        entries.append(exchange.decode_node(node_blob, group_rank=g, classes=classes))
     world = exchange.decode_world(exchange.assemble_world(entries))
     topo = build_topology(world.hosts, world.ranks, run_id=run_id, restart_count=restart_count, source="ray")
     text = api.dumps(topo, config.topology_form)

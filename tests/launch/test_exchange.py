@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from datetime import timedelta
@@ -30,10 +31,20 @@ def _entry(host: Host, g: int, n: int = 2, base: int | None = None) -> ex.NodeEn
     )
 
 
+def _classes(*hosts: Host) -> ex.HostClasses:
+    classes = ex.HostClasses()
+    for h in hosts:
+        classes.add(*ex.host_class(h), group_rank=0)
+    return classes
+
+
 def test_node_roundtrip_and_real_host_size(dgx: Host) -> None:
     blob = ex.encode_node(_entry(dgx, 1))
-    assert ex.decode_node(blob, group_rank=1) == _entry(dgx, 1)
-    assert len(blob) < ex.MAX_NODE_BYTES // 10  # a DGX host is far below the limit
+    assert ex.decode_node(blob, group_rank=1, classes=_classes(dgx)) == _entry(dgx, 1)
+    assert len(blob) < 400  # the entry is small; the host travels once per kind of node
+    assert len(ex.host_class(dgx)[1]) < ex.MAX_NODE_BYTES // 50
+    renamed = Host(hostname="other", devices=dgx.devices, nics=dgx.nics, paths=dgx.paths)
+    assert ex.host_class(renamed) == ex.host_class(dgx)
 
 
 @pytest.mark.parametrize(
@@ -47,24 +58,52 @@ def test_node_roundtrip_and_real_host_size(dgx: Host) -> None:
         (lambda d: json.dumps({**d, "workers": [[2, 0, "GPU9"]]}).encode(), "no device 'GPU9'"),
         (lambda d: json.dumps({**d, "workers": [[-1, 0, None]]}).encode(), "global rank must be an integer >= 0"),
         (lambda d: json.dumps({**d, "restart_count": "1"}).encode(), "restart_count must be an integer"),
-        (lambda d: json.dumps({**d, "host": {"hostname": ""}}).encode(), "hostname must be a non-empty string"),
-        (lambda d: _with_device_field(d, "arch", ["sm90"]), "arch must be str"),
-        (lambda d: _with_device_field(d, "index", "0"), "index must be int"),
-        (lambda d: json.dumps(d, separators=(",", ":")).replace('"speed_Gbps":400.0', '"speed_Gbps":NaN').encode(), "speed_Gbps must be float"),
+        (lambda d: json.dumps({**d, "hostname": ""}).encode(), "hostname must be a non-empty string"),
+        (lambda d: json.dumps({**d, "host_class": "0" * 32}).encode(), "which nobody published"),
     ],
 )
 def test_bad_node_entries_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
     doc = json.loads(ex.encode_node(_entry(dgx, 1)))
     with pytest.raises(LaunchError) as info:
-        ex.decode_node(mutate(doc), group_rank=1)
+        ex.decode_node(mutate(doc), group_rank=1, classes=_classes(dgx))
     msg = str(info.value)
     assert msg.startswith("node 1 published a topology entry that was rejected"), msg
     assert why in msg, msg
 
 
-def _with_device_field(doc: dict, key: str, value: object) -> bytes:
-    doc["host"]["devices"][0][key] = value
-    return json.dumps(doc).encode()
+def _device_field(key: str, value: object):
+    def mutate(d: dict) -> bytes:
+        d["devices"][0][key] = value
+        return json.dumps(d).encode()
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "why"),
+    [
+        (lambda d: b" " * (ex.MAX_NODE_BYTES + 1), "host description is 1048577 bytes"),
+        (lambda d: b"[]", "not a JSON object"),
+        (lambda d: json.dumps({**d, "paths": [{"a": "GPU0", "b": "GPU42", "kind": "PIX"}]}).encode(), "unknown endpoint 'GPU42'"),
+        (_device_field("arch", ["sm90"]), "arch must be str"),
+        (_device_field("index", "0"), "index must be int"),
+        (lambda d: json.dumps(d, separators=(",", ":")).replace('"speed_Gbps":400.0', '"speed_Gbps":NaN').encode(), "speed_Gbps must be float"),
+    ],
+)
+def test_bad_host_descriptions_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
+    body = mutate(json.loads(ex.host_class(dgx)[1]))
+    digest = hashlib.sha256(body).hexdigest()[:32]
+    with pytest.raises(LaunchError) as info:
+        ex.HostClasses().add(digest, body, group_rank=3)
+    msg = str(info.value)
+    assert msg.startswith("node 3 published a topology entry that was rejected"), msg
+    assert why in msg, msg
+
+
+def test_host_description_must_match_its_digest(dgx: Host) -> None:
+    digest, body = ex.host_class(dgx)
+    with pytest.raises(LaunchError, match="^node 2 .* does not match its digest"):
+        ex.HostClasses().add(digest, body.replace(b"GPU7", b"GPU8"), group_rank=2)
 
 
 def test_world_is_deterministic_and_folds_identical_hosts(dgx: Host) -> None:
@@ -97,7 +136,7 @@ def test_world_rejects_rank_gaps_and_bombs(dgx: Host) -> None:
 
 def test_leader_publishes_the_error_naming_the_bad_node(dgx: Host) -> None:
     store = dist.HashStore()
-    store.set(ex.node_key("t", 0), ex.encode_node(_entry(dgx, 0)))
+    ex.publish_node(store, "t", _entry(dgx, 0))
     store.set(ex.node_key("t", 1), b"\x00" * (ex.MAX_NODE_BYTES + 5))
     with pytest.raises(LaunchError, match="^node 1 published a topology entry that was rejected: it is 1048581 bytes"):
         ex.lead(store, "t", 2, timeout_s=1)
@@ -109,7 +148,7 @@ def test_leader_publishes_the_error_naming_the_bad_node(dgx: Host) -> None:
 def test_leader_names_a_node_that_never_publishes(dgx: Host) -> None:
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))
-    store.set(ex.node_key("t", 0), ex.encode_node(_entry(dgx, 0)))
+    ex.publish_node(store, "t", _entry(dgx, 0))
     with pytest.raises(LaunchError, match="^node 1 did not publish its topology within 0.2 s"):
         ex.lead(store, "t", 2, timeout_s=0.2)
 
@@ -127,4 +166,25 @@ def test_probe_results_are_validated_and_deduplicated(dgx: Host) -> None:
 def test_cpu_only_entry_without_devices_roundtrips() -> None:
     host = Host(hostname="c", devices=(Device(id="CPU0", kind=DeviceKind.CPU, index=0),))
     e = ex.NodeEntry(group_rank=0, host=host, workers=(ex.WorkerSlot(global_rank=0, local_rank=0),))
-    assert ex.decode_node(ex.encode_node(e), group_rank=0) == e
+    assert ex.decode_node(ex.encode_node(e), group_rank=0, classes=_classes(host)) == e
+
+
+def test_leader_fetches_each_host_class_once(dgx: Host) -> None:
+    store = dist.HashStore()
+    other = Host(hostname="node-b", devices=dgx.devices, nics=dgx.nics, paths=dgx.paths)
+    ex.publish_node(store, "t", _entry(dgx, 0))
+    ex.publish_node(store, "t", _entry(other, 1))
+    fetched: list[str] = []
+    real_get = ex.HostClasses.add
+
+    def counting_add(self, digest, body, *, group_rank):
+        fetched.append(digest)
+        return real_get(self, digest, body, group_rank=group_rank)
+
+    ex.HostClasses.add = counting_add
+    try:
+        ex.lead(store, "t", 2, timeout_s=1)
+    finally:
+        ex.HostClasses.add = real_get
+    assert fetched == [ex.host_class(dgx)[0]]
+    assert [h.hostname for h in ex.fetch_world(store, "t", 1).hosts] == ["dgx-h100-8gpu-8ib", "node-b"]

@@ -171,13 +171,11 @@ class TopologyAgent(LocalElasticAgent):
                     addr = stack.enter_context(probe.ProbeServer(bind)).address
                 except OSError as exc:
                     log.warning("topomesh: cannot start the probe server (%s); peers will not measure this node", exc)
-                entry = exchange.NodeEntry(**entry_kw, probe_addr=addr)
-                store.set(exchange.node_key(ns, wg.group_rank), exchange.encode_node(entry))
+                exchange.publish_node(store, ns, exchange.NodeEntry(**entry_kw, probe_addr=addr))
                 self._probe_next(store, ns, wg)
                 world = self._leader_and_world(store, ns, wg, probing=True)
         else:
-            entry = exchange.NodeEntry(**entry_kw)
-            store.set(exchange.node_key(ns, wg.group_rank), exchange.encode_node(entry))
+            exchange.publish_node(store, ns, exchange.NodeEntry(**entry_kw))
             world = self._leader_and_world(store, ns, wg, probing=False)
         mine = sorted((r.rank, r.local_rank) for r in world.ranks if r.host == wg.group_rank)
         if mine != sorted((w.global_rank, w.local_rank) for w in wg.workers):
@@ -200,7 +198,10 @@ class TopologyAgent(LocalElasticAgent):
         result: dict[str, Any] = {"peer": peer}
         try:
             blob = exchange.wait_for(store, exchange.node_key(ns, peer), self._topology.timeout_s, what=f"node {peer}")
-            entry = exchange.decode_node(blob, group_rank=peer)
+            classes = exchange.HostClasses(
+                lambda d, g: exchange.wait_for(store, exchange.class_key(ns, d), self._topology.timeout_s, what=f"node {g}")
+            )
+            entry = exchange.decode_node(blob, group_rank=peer, classes=classes)
             if entry.probe_addr is None:
                 raise LaunchError(f"node {peer} runs no probe server")
             got = probe.measure(entry.probe_addr, budget_s=self._topology.probe_budget_s)

@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -35,8 +35,8 @@ WORLD_FORMAT = "topomesh-world/1"
 log = logging.getLogger("topomesh.launch")
 
 MAX_NODE_BYTES = 1 << 20
-"""Largest node entry accepted from a peer (1 MiB). A DGX H100 host with 8 GPUs, 12 NICs
-and every path between them is about 20 KB."""
+"""Largest node entry or host description accepted from a peer (1 MiB). The fixture DGX
+H100 host (8 GPUs, 2 sockets, 8 IB NICs, 108 paths) is about 10 KB."""
 MAX_WORLD_BYTES = 256 << 20
 """Largest world document, decompressed (256 MiB); 2,048 8-GPU nodes are a few MB."""
 
@@ -96,24 +96,48 @@ def world_key(ns: str) -> str:
     return f"{ns}/world"
 
 
+def class_key(ns: str, digest_: str) -> str:
+    return f"{ns}/hostclass/{digest_}"
+
+
+def host_class(host: Host) -> tuple[str, bytes]:
+    """A host's description without its name, and the digest that names it.
+
+    Nodes that look alike publish the same bytes under the same key, so the leader
+    fetches and validates each kind of node once, however many nodes there are.
+    """
+    body = json.dumps(_host_class(host), separators=(",", ":"), sort_keys=True).encode()
+    return hashlib.sha256(body).hexdigest()[:32], body
+
+
 def encode_node(entry: NodeEntry) -> bytes:
-    """The bytes an agent publishes; :func:`decode_node` is the inverse.
+    """The small per-node document; the host itself travels as :func:`host_class`.
 
     >>> from topomesh.topology.model import Host
     >>> e = NodeEntry(group_rank=1, host=Host(hostname="n1"),
     ...               workers=(WorkerSlot(global_rank=2, local_rank=0),))
-    >>> decode_node(encode_node(e), group_rank=1) == e
+    >>> classes = HostClasses()
+    >>> _ = classes.add(*host_class(e.host), group_rank=1)
+    >>> decode_node(encode_node(e), group_rank=1, classes=classes) == e
     True
     """
     doc = {
         "format": NODE_FORMAT,
         "group_rank": entry.group_rank,
-        "host": entry.host.to_dict(),
+        "hostname": entry.host.hostname,
+        "host_class": host_class(entry.host)[0],
         "workers": [[w.global_rank, w.local_rank, w.device] for w in entry.workers],
         "restart_count": entry.restart_count,
         "probe_addr": entry.probe_addr,
     }
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def publish_node(store: KeyValueStore, ns: str, entry: NodeEntry) -> None:
+    """Publish this node's host class (idempotent) and then its entry."""
+    digest_, body = host_class(entry.host)
+    store.set(class_key(ns, digest_), body)
+    store.set(node_key(ns, entry.group_rank), encode_node(entry))
 
 
 def _node_error(group_rank: int, why: str) -> LaunchError:
@@ -126,11 +150,49 @@ def _int(value: Any, what: str, *, low: int = 0) -> int:
     return value
 
 
-def decode_node(blob: bytes, *, group_rank: int, max_bytes: int = MAX_NODE_BYTES) -> NodeEntry:
+class HostClasses:
+    """Validated host classes by digest; fetches unknown ones with ``fetch(digest, group_rank)``."""
+
+    def __init__(self, fetch: Callable[[str, int], bytes] | None = None, *, max_bytes: int = MAX_NODE_BYTES) -> None:
+        self._fetch = fetch
+        self._max_bytes = max_bytes
+        self._hosts: dict[str, Host] = {}
+
+    def add(self, digest_: str, body: bytes, *, group_rank: int) -> Host:
+        """Validate the class ``body`` that node ``group_rank`` published as ``digest_``."""
+        if len(body) > self._max_bytes:
+            raise _node_error(group_rank, f"its host description is {len(body)} bytes, more than the limit of {self._max_bytes}")
+        if hashlib.sha256(body).hexdigest()[:32] != digest_:
+            raise _node_error(group_rank, f"its host description does not match its digest {digest_!r}")
+        try:
+            raw = json.loads(body.decode("utf-8"))
+            if not isinstance(raw, dict):
+                raise ValueError("the host description is not a JSON object")
+            host = Host.from_dict({**raw, "hostname": "class"}, source=f"node {group_rank}")
+            _check_field_types(host)
+        except TopologyError as exc:
+            raise _node_error(group_rank, exc.reason) from None
+        except (UnicodeDecodeError, ValueError, TypeError) as exc:
+            raise _node_error(group_rank, f"malformed host description ({exc})") from None
+        self._hosts[digest_] = host
+        return host
+
+    def get(self, digest_: str, *, group_rank: int) -> Host:
+        host = self._hosts.get(digest_)
+        if host is not None:
+            return host
+        if self._fetch is None:
+            raise _node_error(group_rank, f"it names host class {digest_!r}, which nobody published")
+        return self.add(digest_, self._fetch(digest_, group_rank), group_rank=group_rank)
+
+
+def decode_node(
+    blob: bytes, *, group_rank: int, classes: HostClasses, max_bytes: int = MAX_NODE_BYTES
+) -> NodeEntry:
     """Parse and validate the entry published by node ``group_rank``.
 
-    Raises :class:`LaunchError` naming the node when the entry is too large, not JSON,
-    of another format, or describes workers on devices its host does not have.
+    Raises :class:`LaunchError` naming the node when the entry (or its host class) is too
+    large, not JSON, of another format, or places workers on devices its host lacks.
     """
     if len(blob) > max_bytes:
         raise _node_error(group_rank, f"it is {len(blob)} bytes, more than the limit of {max_bytes}")
@@ -145,8 +207,12 @@ def decode_node(blob: bytes, *, group_rank: int, max_bytes: int = MAX_NODE_BYTES
             raise ValueError(f"format is {doc.get('format')!r}, expected {NODE_FORMAT!r}")
         if doc.get("group_rank") != group_rank:
             raise ValueError(f"it claims group rank {doc.get('group_rank')!r}")
-        host = Host.from_dict(doc.get("host"), source=f"node {group_rank}")
-        _check_field_types(host)
+        name, digest_ = doc.get("hostname"), doc.get("host_class")
+        if not isinstance(name, str) or not name or len(name) > 255:
+            raise ValueError(f"hostname must be a non-empty string, got {name!r}")
+        if not isinstance(digest_, str):
+            raise ValueError(f"host_class must be a string, got {digest_!r}")
+        host = dataclasses.replace(classes.get(digest_, group_rank=group_rank), hostname=name)
         raw_workers = doc.get("workers")
         if not isinstance(raw_workers, list) or not raw_workers:
             raise ValueError("workers must be a non-empty list")
@@ -237,14 +303,13 @@ def assemble_world(entries: Sequence[NodeEntry], measured: Sequence[Sequence[Any
     if ranks != list(range(len(ranks))):
         raise LaunchError(f"the nodes' global ranks are {ranks[:16]}..., not 0..{len(ranks) - 1}")
     classes: list[dict[str, Any]] = []
-    index: dict[str, int] = {}
+    index: dict[tuple[Any, ...], int] = {}
     nodes = []
     for e, name in zip(entries, hostnames, strict=True):
-        cls = _host_class(e.host)
-        key = json.dumps(cls, sort_keys=True)
+        key = (e.host.devices, e.host.nics, e.host.paths)
         if key not in index:
             index[key] = len(classes)
-            classes.append(cls)
+            classes.append(_host_class(e.host))
         nodes.append(
             {
                 "hostname": name,
@@ -342,8 +407,9 @@ def lead(
     it publishes the error for the other nodes and raises it.
     """
     try:
+        classes = HostClasses(lambda d, g: wait_for(store, class_key(ns, d), timeout_s, what=f"node {g}"))
         entries = [
-            decode_node(wait_for(store, node_key(ns, g), timeout_s, what=f"node {g}"), group_rank=g)
+            decode_node(wait_for(store, node_key(ns, g), timeout_s, what=f"node {g}"), group_rank=g, classes=classes)
             for g in range(world_size)
         ]
         rows = gather_probes(store, ns, world_size, probe_timeout_s) if probe_timeout_s is not None else []
