@@ -117,3 +117,15 @@ def test_placement_mesh_and_coords_agree() -> None:
             assert p.coords(int(mesh[pp, tp]))[Axis.TP] == tp
             assert p.coords(int(mesh[pp, tp]))[Axis.PP] == pp
     assert mesh[0].tolist() == p.groups("tp")[0]
+
+
+def test_ranks_sharing_a_cpu_socket_are_not_an_nvlink_island() -> None:
+    from topomesh.layout.place import nvlink_island_size
+    from topomesh.topology.build import build_topology, default_placement
+    from topomesh.topology.model import Device, DeviceKind, Host
+
+    host = Host(hostname="cpu", devices=(Device(id="CPU0", kind=DeviceKind.CPU, index=0),))
+    topo = build_topology([host], default_placement([host], [4]))
+    assert nvlink_island_size(topo) == 1
+    assert nvlink_island_size(contiguous(_hosts(2))) == 8
+    assert all(r.note is None for r in axis_report(topo, place(topo, Layout(tp=4))))

@@ -162,15 +162,15 @@ def _representatives(topo: Topology, members: Sequence[int]) -> list[int]:
     """
     if len(members) <= _EXACT_PAIRS_MAX:
         return list(members)
-    hosts: list[int] = []
+    first_hosts: list[int] = []
     out: list[int] = []
     rails: set[int] = set()
     for r in members:
         h = topo.ranks[r].host
-        if h not in hosts:
-            hosts.append(h)
+        if len(first_hosts) < 2 and h not in first_hosts:
+            first_hosts.append(h)
         rail = int(topo.table.rail_of[r])
-        if hosts.index(h) < 2 or rail not in rails:
+        if h in first_hosts or rail not in rails:
             out.append(r)
         rails.add(rail)
     return out
@@ -191,11 +191,23 @@ def _group_links(topo: Topology, members: Sequence[int]) -> tuple[LinkKind, floa
     return worst, (0.0 if bw == float("inf") else bw), lat
 
 
+def nvlink_island_size(topo: Topology) -> int:
+    """Ranks in the largest NVLink/NVSwitch island; 1 when there is no NVLink at all.
+
+    Ranks that share one device (``LOC``, e.g. CPU processes on one socket) do not make
+    an island.
+    """
+    best = 1
+    for dom in topo.domains(LinkKind.NVLINK):
+        if len(dom) > best and any(topo.connection(dom[0], r).kind.is_nvlink for r in dom[1:]):
+            best = len(dom)
+    return best
+
+
 def axis_report(topo: Topology, placement: Placement) -> list[AxisReport]:
     """One :class:`AxisReport` per mesh axis of the placement's layout (slowest first)."""
     layout = placement.layout
-    islands = topo.domains(LinkKind.NVLINK)
-    island_max = max(len(d) for d in islands)
+    island_max = nvlink_island_size(topo)
     out: list[AxisReport] = []
     for axis in layout.mesh_axes:
         groups = placement.groups(axis)
