@@ -204,11 +204,19 @@ def train(args: argparse.Namespace, *, destroy: bool = True) -> dict[str, object
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.tensor import DTensor
 
-    from topomesh.layout.api import mesh_from_topology
+    from topomesh.layout.api import job_topology, mesh_from_topology, place_layout
+    from topomesh.layout.place import axis_report
 
     torch.set_num_threads(1)
     cfg = Config()
-    mesh = mesh_from_topology({"pp": args.pp, "tp": args.tp}, device_type=args.device)
+    degrees = {"pp": args.pp, "tp": args.tp}
+    mesh = mesh_from_topology(degrees, device_type=args.device)
+    if dist.get_rank() == 0:
+        placement = place_layout(degrees, world_size=dist.get_world_size())
+        topo = job_topology(None, dist.get_world_size())
+        for rep in axis_report(topo, placement):
+            print(f"{rep.axis.value}={rep.degree}: groups {placement.groups(rep.axis)} cross {rep.kind.value} "
+                  f"({rep.bottleneck_GBps:g} GB/s) [{topo.source}]", flush=True)
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     stage, num_stages = mesh.get_local_rank("pp"), mesh.size(mesh.mesh_dim_names.index("pp"))
     tp_rank = mesh.get_local_rank("tp")
