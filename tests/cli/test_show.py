@@ -160,3 +160,22 @@ def test_cli_process_never_prints_a_traceback(tmp_path: Path) -> None:
         assert "Traceback" not in proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("topomesh: error: ") and problem in lines[0]
+
+
+def test_names_from_files_are_printed_literally(capsys, tmp_path: Path) -> None:
+    """Host and NIC names are data: no rich markup, no matplotlib mathtext."""
+    from topomesh.topology.model import Host, Nic, NicKind
+
+    base = dgx_host("x", gpus=2)
+    odd = Host(
+        hostname="[bold]node[/]",
+        devices=base.devices,
+        nics=(Nic(id="NIC0", name="$\\frac{mlx$", kind=NicKind.IB, speed_Gbps=400.0), base.nics[1]),
+        paths=base.paths,
+    )
+    topo = build_topology([odd, cpu_host("[/]")], default_placement([odd, cpu_host("[/]")], [2, 1]))
+    path = api.save_topology(topo, tmp_path / "odd.json")
+    rc, out, _ = _show(capsys, path, "--png", tmp_path / "odd.png")
+    assert rc == 0
+    assert "[bold]node[/]" in out and "$\\frac{mlx$ (IB 400G)" in out and "│ [/]" in out
+    assert (tmp_path / "odd.png").read_bytes()[:4] == b"\x89PNG"

@@ -76,7 +76,8 @@ TEXTS = (
 # values that broke readers elsewhere: wrong types, edge numbers, lookalike names
 _ODD = st.sampled_from(
     ["", "-1", "0", "1e400", "NaN", "inf", "-0", "0x10", "GPU0", "GPU99", "NIC0", "X", "NV0", "NV18",
-     "PCIe", "IB", "SYS", "LOC", "0.1", "1.5", "us", "GB/s", "ms", "Mb/s", "null", "host0", "a", "b"]
+     "PCIe", "IB", "SYS", "LOC", "0.1", "1.5", "us", "GB/s", "ms", "Mb/s", "null", "host0", "a", "b",
+     "9" * 25, "1" + "0" * 400, "[bold]", "[/]", "$\\frac{$"]
 )
 _SCALARS = (
     st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=True, allow_infinity=True)

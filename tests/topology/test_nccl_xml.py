@@ -149,6 +149,7 @@ def test_empty_system_gives_cpu_only_world() -> None:
         (_system('<pci busid="01:00.0"><gpu dev="0"><nvlink count="2"/></gpu></pci>'), "<nvlink> has no target"),
         (_system('<nic><net name="x" speed="fast"/></nic>'), "speed='fast'"),
         ('<system><cpu numaid="0"/><cpu numaid="0"/></system>', "two <cpu> elements with numaid=0"),
+        (_system('<nic><net name="x" speed="1' + "0" * 400 + '"/></nic>'), r"speed='1000.*\(401 characters\) is out of range"),
     ],
 )
 def test_bad_xml_names_the_place(text: str, match: str) -> None:

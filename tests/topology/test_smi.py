@@ -131,6 +131,7 @@ def test_missing_rows_use_the_other_direction() -> None:
         ("\tGPU0\tGPU1\nGPU0\t X \tPIX\nGPU0\t X \tPIX\n", "second row"),
         ("\tGPU0\tGPU0\n", "names a column twice"),
         ("\tGPU0\tNIC0\nGPU0\t X \tNV2\n", "NVLink joins GPUs only"),
+        ("\tGPU0\tGPU1\nGPU0\t X \tNV" + "9" * 30 + "\n", "30 digits: out of range"),
     ],
 )
 def test_bad_matrix_names_the_problem(text: str, match: str) -> None:

@@ -84,7 +84,7 @@ def draw_topology(topo: Topology, *, max_ranks: int = 64, max_hosts: int = 16) -
         )
         name = topo.hosts[h].hostname
         if detailed:
-            ax.text(cx, y0 + 0.06, name, ha="center", va="bottom", fontsize=8, zorder=5)
+            ax.text(cx, y0 + 0.06, name, ha="center", va="bottom", fontsize=8, zorder=5, parse_math=False)
             _draw_ranks(ax, topo, ranks, cx, cy, used)
         else:
             fastest = _fastest_local(topo, ranks)
@@ -92,7 +92,7 @@ def draw_topology(topo: Topology, *, max_ranks: int = 64, max_hosts: int = 16) -
             if fastest is not None:
                 label += f"\n{cell_label(fastest)} {fastest.kind.value}"
                 used.setdefault(fastest.kind, []).append(fastest)
-            ax.text(cx, cy, label, ha="center", va="center", fontsize=7, zorder=5)
+            ax.text(cx, cy, label, ha="center", va="center", fontsize=7, zorder=5, parse_math=False)
     if multi:
         # the network as a comb: one bus under each row of hosts, joined on the right
         spine_x = cols * step - _GAP / 2

@@ -92,6 +92,11 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ",".join(out)
 
 
+def _add_plain_row(table: Table, *cells: str) -> None:
+    """Add a row of plain text: names from files (``[bold]``, ``[/]``) are not rich markup."""
+    table.add_row(*(Text(c) for c in cells))
+
+
 def _gbps(x: float | None) -> str:
     return "?" if x is None else format(x, "g")
 
@@ -117,7 +122,7 @@ def hosts_table(topo: Topology, *, max_rows: int = 32) -> Table:
         archs = sorted({g.arch for g in gpus if g.arch})
         gpu_text = f"{len(gpus)}" + (f" ({', '.join(archs)})" if archs else "")
         cpus = [d for d in host.devices if d.kind is DeviceKind.CPU]
-        table.add_row(host.hostname, rank_ranges(by_host[h]) or "-", gpu_text, str(len(cpus)), _nic_text(host))
+        _add_plain_row(table, host.hostname, rank_ranges(by_host[h]) or "-", gpu_text, str(len(cpus)), _nic_text(host))
     if len(topo.hosts) > max_rows:
         table.caption = f"first {max_rows} of {len(topo.hosts)} hosts"
     return table
@@ -140,7 +145,8 @@ def ranks_table(topo: Topology, *, max_rows: int = 64) -> Table:
             kind = "IB" if nic.kind is NicKind.IB else "Eth"
             speed = f" {_gbps(nic.speed_Gbps)}G" if nic.speed_Gbps else ""
             nic_text = f"{nic.name} ({kind}{speed})"
-        table.add_row(
+        _add_plain_row(
+            table,
             str(info.rank),
             *([host.hostname] if multi else []),
             str(info.local_rank),
@@ -237,18 +243,22 @@ _DOMAIN_KINDS: Sequence[tuple[str, LinkKind]] = (
 )
 
 
-def domains_table(topo: Topology, *, max_groups: int = 8) -> Table:
+def domains_table(topo: Topology, *, max_groups: int = 8, max_hosts_inter: int = 1024) -> Table:
     """Groups of ranks joined by links at least as fast as each kind (``Topology.domains``)."""
     table = Table(title="domains", title_justify="left")
     for col in ("domain", "groups", "sizes", "members"):
         table.add_column(col, overflow="fold")
     for label, kind in _DOMAIN_KINDS:
+        if kind is LinkKind.IB and len(topo.hosts) > max_hosts_inter:
+            # Topology.domains(IB) compares every pair of hosts: seconds for thousands of hosts
+            _add_plain_row(table, label, "-", "-", f"not computed for {len(topo.hosts)} hosts")
+            continue
         groups = topo.domains(kind)
         sizes = sorted({len(g) for g in groups})
         members = "  ".join(f"[{rank_ranges(g)}]" for g in groups[:max_groups])
         if len(groups) > max_groups:
             members += f"  ... {len(groups) - max_groups} more"
-        table.add_row(label, str(len(groups)), ",".join(map(str, sizes)) or "-", members or "-")
+        _add_plain_row(table, label, str(len(groups)), ",".join(map(str, sizes)) or "-", members or "-")
     return table
 
 

@@ -65,6 +65,11 @@ _GTS = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*GT/s", re.IGNORECASE)
 _GEN_BY_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 
 
+MAX_ATTR_INT = 2**31 - 1
+"""Largest integer attribute accepted (link counts, speeds in Mb/s, widths): bigger values
+are damage, and would overflow floats in bandwidth arithmetic."""
+
+
 def host_name_for(source: str) -> str:
     """A host name for a file that names none: the file's stem, else ``localhost``.
 
@@ -104,18 +109,26 @@ class _Place:
     chain: tuple[_Pci, ...]
 
 
+def _short(raw: str, limit: int = 40) -> str:
+    """``repr`` of a value from a file, cut short so an error stays one readable line."""
+    return repr(raw) if len(raw) <= limit else repr(raw[:limit]) + f"... ({len(raw)} characters)"
+
+
 def _attr_int(el: ET.Element, name: str, where: str, source: str, base: int = 10) -> int | None:
     raw = el.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
-        return int(raw.strip(), base)
+        value = int(raw.strip(), base)
     except ValueError:
         raise TopologyError(
-            f"<{el.tag}> attribute {name}={raw!r} is not {'a hex' if base == 16 else 'an'} integer",
+            f"<{el.tag}> attribute {name}={_short(raw)} is not {'a hex' if base == 16 else 'an'} integer",
             source=source,
             where=where,
         ) from None
+    if abs(value) > MAX_ATTR_INT:
+        raise TopologyError(f"<{el.tag}> attribute {name}={_short(raw)} is out of range", source=source, where=where)
+    return value
 
 
 def _pci_class(el: ET.Element, where: str, source: str, attr: str = "class") -> int | None:

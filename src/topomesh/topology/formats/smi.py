@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from topomesh.errors import TopologyError
-from topomesh.topology.formats.nccl_xml import host_name_for, is_rdma_name
+from topomesh.topology.formats.nccl_xml import MAX_ATTR_INT, host_name_for, is_rdma_name
 from topomesh.topology.model import Device, DeviceKind, Host, LinkKind, Nic, NicKind, Path
 
 _AFFINITY = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
@@ -87,9 +87,12 @@ def _rows(lines: list[str], start: int, labels: list[str], source: str) -> dict[
                 where=f"line {i + 1}",
             )
         for col, cell in zip(labels, cells, strict=True):
+            nv = _NV.match(cell)
+            if nv and int(nv.group(1)) > MAX_ATTR_INT:
+                raise TopologyError(f"NV# between {label} and {col} has {len(cell) - 2} digits: out of range", source=source, where=f"line {i + 1}")
             if not _CELL.match(cell):
                 raise TopologyError(
-                    f"unknown link {cell!r} between {label} and {col} (expected X, NV#, PIX, PXB, PHB, NODE or SYS)",
+                    f"unknown link {cell[:20]!r} between {label} and {col} (expected X, NV#, PIX, PXB, PHB, NODE or SYS)",
                     source=source,
                     where=f"line {i + 1}",
                 )
