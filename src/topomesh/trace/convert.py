@@ -90,7 +90,9 @@ _KNOWN_PACKETS = frozenset(
         "aten.alias", "aten._unsafe_view", "aten._local_scalar_dense", "aten.select_backward",
         "aten.slice_backward", "aten.masked_fill_", "aten.resize_", "aten.set_",
         "aten._scaled_dot_product_flash_attention_for_cpu",
-        "aten._scaled_dot_product_flash_attention_for_cpu_backward", "fsdp.all_gather_copy_in",
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward", "aten.mse_loss",
+        "aten.mse_loss_backward", "aten.smooth_l1_loss", "aten.smooth_l1_loss_backward",
+        "aten.binary_cross_entropy_with_logits", "fsdp.all_gather_copy_in",
         "fsdp.split_with_sizes_copy", "fsdp.chunk_cat", "fsdp.copy_",
     }
 )

@@ -1,0 +1,41 @@
+"""``topomesh trace``: JSON keys and hand-checked counts; bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from topomesh.cli.main import main
+
+
+def test_trace_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "tiny-llama", "--tp", "2", "--batch-size", "2", "--no-optimizer", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"model", "layout", "world_size", "flops", "flops_by_phase", "op_counts", "collectives",
+            "unknown_ops", "n_layers", "traced_layers", "trace_s"} <= doc.keys()
+    assert doc["layout"] == {"tp": 2} and doc["n_layers"] == 2 and doc["unknown_ops"] == {}
+    colls = {(c["kind"], c["mesh_axis"], c["phase"]): c for c in doc["collectives"]}
+    # SP: 2 gathers per block forward, +1 before the vocab-parallel head; bytes b·s·h·2 each
+    ag = colls[("all_gather", "tp", "forward")]
+    assert ag["count"] == 2 * 2 + 1 and ag["bytes"] == ag["count"] * 2 * 32 * 64 * 2
+
+
+def test_trace_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "tiny-gpt", "--dp-shard", "2", "--no-optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "Collectives per step" in out and "dp_shard" in out and "no unknown ops" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trace", "gpt-9000"], "Unknown model preset 'gpt-9000'"),
+        (["trace", "tiny-gpt", "--tp", "0"], "--tp must be at least 1, got 0"),
+        (["trace", "tiny-llama", "--cp", "2"], "Context parallel degree 2 is not supported"),
+    ],
+)
+def test_bad_input_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("topomesh: error:")

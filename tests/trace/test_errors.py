@@ -1,0 +1,87 @@
+"""Bad input: unknown ops are listed with counts, untraceable models name the op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from topomesh.errors import TraceError
+from topomesh.trace.tracer import ModelSpec, fake_process_group, trace_step
+
+
+@torch.library.custom_op("topomesh_test::mystery", mutates_args=())
+def mystery(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@mystery.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, untraceable: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.untraceable = untraceable
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.untraceable:
+            return h + h[h > 0].sum()  # boolean mask: output size depends on values
+        return h + mystery(h.detach())
+
+
+class _Model(nn.Module):
+    def __init__(self, n: int, untraceable: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(8, untraceable) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _spec(untraceable: bool = False) -> ModelSpec:
+    return ModelSpec(
+        name="toy", key="toy", n_layers=4,
+        build=lambda n: _Model(n, untraceable),
+        make_inputs=lambda b: ((torch.randn(b, 8),), torch.randn(b, 8)),
+        loss=F.mse_loss,
+    )
+
+
+def test_unknown_op_listed_with_counts() -> None:
+    t = trace_step(_spec(), None, {"dp_shard": 1}, n_layers=2).compose(4)
+    s = t.summary()
+    assert s.unknown_ops == {"topomesh_test.mystery.default": 4}
+    assert s.op_counts["aten.addmm.default"] == 4
+    assert s.flops_by_phase["forward"] == 4 * 2 * 1 * 8 * 8
+
+
+def test_untraceable_model_names_op_and_reason() -> None:
+    with pytest.raises(TraceError, match=r"'toy' could not be traced .*aten\.nonzero.*depends on tensor values"):
+        trace_step(_spec(untraceable=True), None, {}, n_layers=1)
+
+
+def test_parallelize_failure_is_a_trace_error() -> None:
+    def bad(model: nn.Module, mesh: object) -> nn.Module:
+        raise RuntimeError("no plan for this module")
+
+    with pytest.raises(TraceError, match="building and parallelizing.*no plan for this module"):
+        trace_step(_spec(), bad, {"tp": 2}, n_layers=1)
+
+
+def test_existing_process_group_is_not_clobbered() -> None:
+    with fake_process_group(2), pytest.raises(TraceError, match="already exists"):
+        trace_step(_spec(), None, {"dp_shard": 2}, n_layers=1)
+
+
+def test_bad_degree() -> None:
+    from topomesh.errors import LayoutError
+
+    with pytest.raises(LayoutError, match="'tp' must be a positive integer, got 0"):
+        trace_step(_spec(), None, {"tp": 0}, n_layers=1)
