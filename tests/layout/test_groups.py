@@ -15,10 +15,12 @@ import torch.multiprocessing as mp
 from topomesh.layout.api import mesh_from_topology, place_layout
 from topomesh.layout.dims import Layout
 from topomesh.layout.groups import axis_groups, flatten, hsdp_mesh, replica_groups
+from topomesh.layout.place import Strategy, axis_report, place
 from topomesh.layout.replicas import ReplicaGrouping
 from topomesh.topology.api import ENV_VAR, save_topology
-from topomesh.topology.build import build_topology
-from topomesh.topology.model import Host, RankInfo
+from topomesh.topology.model import LinkKind
+
+from .topos import interleaved, islands_host
 
 WORLD = 4
 
@@ -30,10 +32,11 @@ def _free_port() -> int:
 
 
 def _two_host_interleaved() -> object:
-    """4 CPU ranks on 2 hosts, rank r on host r % 2 (not host-contiguous)."""
-    hosts = [Host(hostname="a"), Host(hostname="b")]
-    ranks = [RankInfo(rank=r, host=r % 2, local_rank=r // 2) for r in range(WORLD)]
-    return build_topology(hosts, ranks)
+    """2 hosts × 2 NVLinked GPUs with IB between, rank r on host r % 2 (not host-contiguous).
+
+    The processes run on CPU with gloo; the mesh only depends on the rank numbers.
+    """
+    return interleaved([islands_host(f"n{i}", island=2, gpus=2) for i in range(2)], per_host=2)
 
 
 def _worker(rank: int, port: int, topo_file: str, out_dir: str) -> None:
@@ -65,6 +68,10 @@ def test_mesh_groups_follow_the_topology(tmp_path: Path) -> None:
     topo_file = save_topology(topo, tmp_path / "world.json")
     placement = place_layout(Layout(tp=2, pp=2), topology=topo, world_size=WORLD)
     assert placement.groups("tp") == [[0, 2], [1, 3]]  # one host each; rank order would give [0, 1]
+    links = {r.axis.value: r.kind for r in axis_report(topo, placement)}
+    naive = {r.axis.value: r.kind for r in axis_report(topo, place(topo, Layout(tp=2, pp=2), Strategy.RANK_ORDER))}
+    assert links == {"tp": LinkKind.NVLINK, "pp": LinkKind.IB}
+    assert naive == {"tp": LinkKind.IB, "pp": LinkKind.NVLINK}
     mp.spawn(_worker, args=(_free_port(), str(topo_file), str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         got = json.loads((tmp_path / f"{rank}.json").read_text())
