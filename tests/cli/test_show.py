@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from topomesh.cli.main import main
 from topomesh.report.plot import draw_topology
-from topomesh.report.topology import cell_label, rank_ranges
+from topomesh.report.topology import cell_label, rank_matrix, rank_ranges
 from topomesh.topology import api
-from topomesh.topology.build import build_topology, default_placement
+from topomesh.topology.build import build_topology, default_placement, single_host_topology
 from topomesh.topology.model import LinkKind
 
 from ..topology.helpers import cpu_host, dgx_host, pcie_host
@@ -179,3 +181,12 @@ def test_names_from_files_are_printed_literally(capsys, tmp_path: Path) -> None:
     assert rc == 0
     assert "[bold]node[/]" in out and "$\\frac{mlx$ (IB 400G)" in out and "│ [/]" in out
     assert (tmp_path / "odd.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_large_single_host_matrix_is_cut() -> None:
+    topo = single_host_topology(cpu_host("big", sockets=2), 40)
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(rank_matrix(topo, max_ranks=32))
+    text = console.export_text()
+    assert "ranks 0-31 of 40 (host big)\n" in text and "other hosts" not in text
+    assert text.count("\nR") == 32

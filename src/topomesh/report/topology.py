@@ -165,7 +165,8 @@ def _matrix_ranks(topo: Topology, max_ranks: int) -> tuple[list[int], str | None
         return list(range(topo.world_size)), None
     first = next((g for g in topo.ranks_by_host() if g), [])[:max_ranks]
     host = topo.hosts[topo.ranks[first[0]].host].hostname if first else "-"
-    return first, f"ranks {rank_ranges(first)} of {topo.world_size} (host {host}); other hosts below"
+    note = f"ranks {rank_ranges(first)} of {topo.world_size} (host {host})"
+    return first, note + ("; other hosts below" if len(topo.hosts) > 1 else "")
 
 
 def rank_matrix(topo: Topology, *, max_ranks: int = 32) -> RenderableType:
