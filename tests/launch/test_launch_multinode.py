@@ -142,3 +142,24 @@ def test_elastic_scale_down_rebuilds_file_for_new_world(agents: Agents) -> None:
     assert all(set(r["hostnames"]) == {"dgx-h100-8gpu-8ib"} for r in after)
     assert after[0]["kinds"]["0,1"] == "NVSwitch"
     assert after[0]["file"] != four[0]["file"]
+
+
+def test_static_rendezvous_with_restart(agents: Agents) -> None:
+    """The static backend's store is not scoped to a round: keys carry the agent's round.
+
+    Every worker fails in round 0 (with static rendezvous a node restarts only when its
+    own workers fail); round 1's file must come from round 1's entries: restart count 1.
+    """
+    port = free_port()
+    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+              f"--master-port={port}", "--max-restarts=1", f"--topology-dir={agents.tmp / 't'}"]
+    env = {"CHECK_FAIL_RANK": "all"}
+    a = agents.start("a", [*common, "--node-rank=0"], sysfs="nvlink-bridge-2gpu", env=env)
+    b = agents.start("b", [*common, "--node-rank=1"], sysfs="cpu-only", env=env)
+    assert agents.wait(a) == 0, agents.log(a)[-3000:]
+    assert agents.wait(b) == 0, agents.log(b)[-3000:]
+    reports = agents.reports()
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    assert {r["file_restart_count"] for r in reports} == {1}
+    assert len({r["bytes"] for r in reports}) == 1
+    assert reports[0]["hostnames"] == ["nvlink-bridge-2gpu", "cpu-only"]  # node rank order

@@ -6,8 +6,8 @@ keyed on the file's ``restart_count`` (the job-wide count), not on the node's ow
 count at 0.
 
 Env knobs: ``CHECK_EXPECT`` = JSON ``{"same": {hostname: kind}, "cross": kind}`` to assert
-link kinds for every pair; ``CHECK_FAIL_RANK`` = a rank that exits 3 in round 0 while the
-others wait to be restarted; ``CHECK_GLOO`` = 1 to all-reduce over gloo; ``CHECK_HOLD`` =
+link kinds for every pair; ``CHECK_FAIL_RANK`` = a rank (or ``all``) that exits 3 in round 0
+while the others wait to be restarted; ``CHECK_GLOO`` = 1 to all-reduce over gloo; ``CHECK_HOLD`` =
 1 to all-reduce in a loop until the test creates ``$CHECK_OUT/release`` (the report is
 written before the loop), so a node that disappears makes the others' collectives fail.
 """
@@ -61,7 +61,7 @@ def main() -> int:
     }
     fail_rank = os.environ.get("CHECK_FAIL_RANK")
     if fail_rank is not None and round_ == 0:
-        if rank == int(fail_rank):
+        if fail_rank == "all" or rank == int(fail_rank):
             return 3
         time.sleep(120)  # the agent restarts us when it sees the failed node rejoin
         return 4

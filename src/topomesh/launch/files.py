@@ -39,7 +39,7 @@ def safe_run_id(run_id: str) -> str:
         raise LaunchError(f"run id {run_id!r} must be 1 to 200 characters long")
     if "/" in run_id or "\\" in run_id or "\0" in run_id or run_id.startswith("."):
         raise LaunchError(
-            f"run id {run_id!r} looks like a path; it may not contain '/', '\\\\' or NUL "
+            f"run id {run_id!r} looks like a path; it may not contain '/', '\\' or NUL "
             "or start with '.'"
         )
     cleaned = "".join(c if _SAFE.fullmatch(c) else "_" for c in run_id)
