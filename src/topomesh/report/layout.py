@@ -4,8 +4,9 @@
 future ``topomesh show --layout``); ``layout_to_dict`` the same facts as stable JSON.
 
 The placement table has one row per host, like ``poprun --print-topology`` turned on its
-side: the host, its ranks in local-rank order, and for every mesh axis the coordinate
-each of those ranks has along it. The axis table lists every axis's groups, the slowest
+side: the host, its ranks (one process, i.e. instance, each) in local-rank order, the
+device each drives, and for every mesh axis the coordinate each of those ranks has along
+it. The axis table lists every axis's groups, the slowest
 link between two members of a group, the bottleneck bandwidth, and what the plain rank
 order would have crossed instead.
 """
@@ -78,24 +79,32 @@ def _host_ranks(topo: Topology, host: int) -> list[int]:
     return [r.rank for r in sorted((r for r in topo.ranks if r.host == host), key=lambda r: r.local_rank)]
 
 
+def _short(device: str) -> str:
+    """``GPU3`` → ``3`` (the column header says what they are); other ids unchanged."""
+    return device[3:] if device.startswith(("GPU", "CPU")) and device[3:].isdigit() else device
+
+
 def placement_table(topo: Topology, placement: Placement) -> Table:
     """One row per host: its ranks and each rank's coordinate along every mesh axis."""
     layout = placement.layout
     table = Table(title=f"placement of {layout.describe()} on {topo.world_size} ranks ({placement.strategy.value})")
     table.add_column("host")
     table.add_column("ranks")
+    table.add_column("devices")
     for axis in layout.mesh_axes:
         table.add_column(f"{axis.value} ({layout.degree(axis)})")
     coords = {r: placement.coords(r) for r in range(topo.world_size)}
     for h in range(min(len(topo.hosts), MAX_HOST_ROWS)):
         ranks = _host_ranks(topo, h)
         width = max([len(str(r)) for r in ranks] + [1])
-        cells = [" ".join(str(r).rjust(width) for r in ranks)]
+        devices = [topo.ranks[r].device or "-" for r in ranks]
+        width = max([width] + [len(_short(d)) for d in devices])
+        cells = [" ".join(str(r).rjust(width) for r in ranks), " ".join(_short(d).rjust(width) for d in devices)]
         for axis in layout.mesh_axes:
             cells.append(" ".join(str(coords[r][axis]).rjust(width) for r in ranks))
         table.add_row(topo.hosts[h].hostname, *cells)
     if len(topo.hosts) > MAX_HOST_ROWS:
-        table.add_row(f"… {len(topo.hosts) - MAX_HOST_ROWS} more hosts", "", *["" for _ in layout.mesh_axes])
+        table.add_row(f"… {len(topo.hosts) - MAX_HOST_ROWS} more hosts", "", "", *["" for _ in layout.mesh_axes])
     return table
 
 
