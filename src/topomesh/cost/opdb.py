@@ -73,6 +73,9 @@ class OpProfileDB:
         """Where a corrupt file was moved to when this connection rebuilt it, else None."""
         try:
             self._conn = self._open()
+        except sqlite3.OperationalError as exc:
+            # locked / busy past the timeout, unwritable directory: not corruption, keep the file
+            raise CalibrationError(f"{self.path}: cannot open the op-profile database ({exc})") from None
         except sqlite3.DatabaseError as exc:
             self.rebuilt_from = self._move_aside(str(exc))
             try:
