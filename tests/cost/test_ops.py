@@ -77,6 +77,14 @@ def test_scalar_args_are_passed_by_schema(op, inputs, args):
     assert time_op(rec, "cpu", min_repeats=1, budget_s=0.0).median_s > 0
 
 
+def test_a_time_budget_leaves_the_rest_for_a_later_run(tmp_path):
+    with OpProfileDB(tmp_path / "p.sqlite") as db:
+        run = profile_ops(_records(), db, fingerprint="fp", max_seconds=0.0, min_repeats=1, budget_s=0.0)
+        assert (run.profiled, run.left) == (1, 3)  # the first op always runs
+        run = profile_ops(_records(), db, fingerprint="fp", min_repeats=1, budget_s=0.0)
+        assert (run.cached, run.profiled, run.left) == (1, 3, 0)
+
+
 def test_profile_then_reuse_in_the_same_process(tmp_path):
     fp = device_fingerprint("cpu")
     with OpProfileDB(tmp_path / "p.sqlite") as db:

@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, help="device spec for the roofline of unprofiled ops "
                    "(default: this device; e.g. H100-SXM5-80GB)")
     p.add_argument("--no-profile", action="store_true", help="only price the records with what the table has")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop starting new ops after this many seconds (the rest: roofline, profiled next run)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -90,9 +92,10 @@ def _trace_records(args: argparse.Namespace) -> list[OpRecord]:
     return [e for e in trace.events() if isinstance(e, OpRecord)]
 
 
-def _profile(records: list[Any], db: OpProfileDB, device: str, fp: str, show: bool) -> ProfileRun:
+def _profile(records: list[Any], db: OpProfileDB, device: str, fp: str, show: bool,
+             max_seconds: float | None) -> ProfileRun:
     if not show:
-        return profile_ops(records, db, device=device, fingerprint=fp)
+        return profile_ops(records, db, device=device, fingerprint=fp, max_seconds=max_seconds)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -103,7 +106,7 @@ def _profile(records: list[Any], db: OpProfileDB, device: str, fp: str, show: bo
         def progress(done: int, total: int, op: str) -> None:
             bar.update(task, completed=done, total=total, description=op)
 
-        return profile_ops(records, db, device=device, fingerprint=fp, progress=progress)
+        return profile_ops(records, db, device=device, fingerprint=fp, progress=progress, max_seconds=max_seconds)
 
 
 def summary_json(run: ProfileRun | None, summary: CostSummary, *, fp: str, db: Path, spec: str) -> dict[str, Any]:
@@ -112,6 +115,7 @@ def summary_json(run: ProfileRun | None, summary: CostSummary, *, fp: str, db: P
         "db": str(db),
         "roofline_spec": spec,
         "profiled_now": run.profiled if run else 0,
+        "left_for_later": run.left if run else 0,
         "cached": run.cached if run else None,
         "distinct": run.distinct if run else None,
         "failed": dict(run.failed) if run else {},
@@ -135,9 +139,13 @@ def run(args: argparse.Namespace) -> int:
         raise CalibrationError(f"--device {args.device}: CUDA is not available on this machine")
     records = _load(args.records) if args.records else _trace_records(args)
     fp = device_fingerprint(args.device)
+    if not args.spec and not args.device.startswith("cuda") and not args.json:
+        print("pricing unprofiled ops needs this CPU's spec (measured on first use, a few seconds)",
+              file=sys.stderr)
     spec = device_spec(args.spec) if args.spec else current_device_spec(args.device)
     with OpProfileDB(args.db) as db:
-        run_ = None if args.no_profile else _profile(records, db, args.device, fp, show=not args.json)
+        run_ = None if args.no_profile else _profile(records, db, args.device, fp, show=not args.json,
+                                                     max_seconds=args.max_seconds)
         summary = cost_summary(records, spec, db.table(fp), db.failures(fp))
         data = summary_json(run_, summary, fp=fp, db=db.path, spec=spec.name)
     if args.json:
@@ -149,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if run_ is not None:
         console.print(f"{fp}: {run_.distinct} distinct ops, {run_.cached} already in {db.path}, "
-                      f"{run_.profiled} profiled now in {run_.seconds:.1f} s")
+                      f"{run_.profiled} profiled now in {run_.seconds:.1f} s"
+                      + (f", {run_.left} left for a later run (--max-seconds)" if run_.left else ""))
     console.print(f"{summary.ops} ops: measured {summary.measured_s * 1e3:.3f} ms + roofline "
                   f"{summary.roofline_s * 1e3:.3f} ms ({spec.name}) = {summary.total_s * 1e3:.3f} ms")
     if summary.unknown:

@@ -326,14 +326,19 @@ class ProfileRun:
     failed: Mapping[str, str] = field(default_factory=dict)
     """Op name → reason, for signatures that could not be run (priced by the roofline)."""
     seconds: float = 0.0
+    left: int = 0
+    """Signatures not timed because ``max_seconds`` ran out (priced by the roofline)."""
 
 
 def profile_ops(records: Iterable[OpRecord], db: OpProfileDB, *, device: str = "cpu", fingerprint: str,
-                progress: Callable[[int, int, str], None] | None = None, **timing: Any) -> ProfileRun:
+                progress: Callable[[int, int, str], None] | None = None, max_seconds: float | None = None,
+                **timing: Any) -> ProfileRun:
     """Time every distinct signature of ``records`` not yet in ``db`` for ``fingerprint``.
 
     ``progress(done, total, op)`` is called after each signature. Failures are stored too,
-    so a later run does not retry them.
+    so a later run does not retry them. With ``max_seconds``, no new signature starts once
+    that much time has passed (the first always runs, so every run makes progress); the
+    rest is left for a later run (``ProfileRun.left``).
     """
     start = time.perf_counter()
     unique: dict[Key, OpRecord] = {}
@@ -344,7 +349,11 @@ def profile_ops(records: Iterable[OpRecord], db: OpProfileDB, *, device: str = "
     todo = [(k, r) for k, r in unique.items() if k not in known]
     failed: dict[str, str] = {}
     profiled = 0
+    left = 0
     for i, (key, rec) in enumerate(todo):
+        if i and max_seconds is not None and time.perf_counter() - start > max_seconds:
+            left = len(todo) - i
+            break
         try:
             timing_ = time_op(rec, device, **timing)
         except Exception as exc:  # any op error means "cannot profile here"; priced by roofline
@@ -356,7 +365,7 @@ def profile_ops(records: Iterable[OpRecord], db: OpProfileDB, *, device: str = "
         if progress:
             progress(i + 1, len(todo), rec.op)
     return ProfileRun(device=device, distinct=len(unique), cached=len(unique) - len(todo), profiled=profiled,
-                      failed=failed, seconds=time.perf_counter() - start)
+                      failed=failed, seconds=time.perf_counter() - start, left=left)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
