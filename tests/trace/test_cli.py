@@ -14,7 +14,8 @@ def test_trace_json(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert {"model", "layout", "world_size", "flops", "flops_by_phase", "op_counts", "collectives",
             "unknown_ops", "n_layers", "traced_layers", "trace_s"} <= doc.keys()
-    assert doc["layout"] == {"tp": 2} and doc["n_layers"] == 2 and doc["unknown_ops"] == {}
+    assert doc["layout"] == {"tp": 2} and doc["n_layers"] == 2 and doc["traced_layers"] == 1
+    assert doc["unknown_ops"] == {}
     colls = {(c["kind"], c["mesh_axis"], c["phase"]): c for c in doc["collectives"]}
     # SP: 2 gathers per block forward, +1 before the vocab-parallel head; bytes b·s·h·2 each
     ag = colls[("all_gather", "tp", "forward")]

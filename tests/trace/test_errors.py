@@ -55,7 +55,7 @@ def _spec(untraceable: bool = False) -> ModelSpec:
 
 
 def test_unknown_op_listed_with_counts() -> None:
-    t = trace_step(_spec(), None, {"dp_shard": 1}, n_layers=2).compose(4)
+    t = trace_step(_spec(), None, {"dp_shard": 1}, n_layers=1).compose(4)
     s = t.summary()
     assert s.unknown_ops == {"topomesh_test.mystery.default": 4}
     assert s.op_counts["aten.addmm.default"] == 4

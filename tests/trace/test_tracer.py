@@ -61,7 +61,7 @@ def test_tp_with_sp_gathers_and_scatters_full_sequence() -> None:
 
 def test_fsdp_bytes_are_the_parameters() -> None:
     cfg = dataclasses.replace(get_preset("tiny-gpt"), n_layers=4)
-    t = _trace("tiny-gpt", (("dp_shard", 2),), layers=2).compose(4)
+    t = _trace("tiny-gpt", (("dp_shard", 2),), layers=1).compose(4)
     coll = t.summary().collectives
     params_bytes = cfg.total_params() * BF16  # every dim is even: no FSDP padding
     # all-gather output = the unsharded parameters; each rank contributes params/dp_shard
@@ -81,7 +81,7 @@ def test_flops_on_local_shapes() -> None:
     tokens = B * s
     attn_fwd = layers * 4 * B * s * s * h  # QKᵀ and AV, non-causal as FlopCounterMode
     attn_bwd = layers * 10 * B * s * s * h  # recomputed scores + 4 gradient matmuls
-    flops = _trace("tiny-llama", (("tp", tp), ("dp_shard", 2)), layers=2).compose(layers).summary().flops_by_phase
+    flops = _trace("tiny-llama", (("tp", tp), ("dp_shard", 2)), layers=1).compose(layers).summary().flops_by_phase
     assert flops["forward"] == (2 * tokens * mm_params + attn_fwd) // tp
     assert flops["backward"] == (4 * tokens * mm_params + attn_bwd) // tp
     # ≈ 6·N·tokens plus attention, divided by tp
@@ -90,19 +90,22 @@ def test_flops_on_local_shapes() -> None:
     )
 
 
-def test_composed_equals_full_trace() -> None:
+@pytest.mark.parametrize("traced", [1, 2])
+def test_composed_equals_full_trace(traced: int) -> None:
+    # FSDP2 x TP/SP with AdamW: same ops (shapes, dtypes, strides, args) and collectives
     layout = (("dp_shard", 2), ("tp", 2))
-    composed = _trace("tiny-llama", layout, layers=2, optimizer=True).compose(3)
+    composed = _trace("tiny-llama", layout, layers=traced, optimizer=True).compose(3)
     full = _trace("tiny-llama", layout, layers=3, optimizer=True, split=False)
     assert Counter(composed.events()) == Counter(full.events())
-    blocks = Counter(e for s in composed.segments if s.part is Part.BLOCK for e in s.events)
-    assert composed.summary().op_counts == full.summary().op_counts
-    assert sum(blocks.values()) > 0.7 * sum(1 for _ in full.events()) / 1.5  # blocks dominate
+    assert composed.summary() == full.summary()
+    if traced == 1:  # FSDP's backward all-gather of the next block is carried as prefetch
+        (bwd,) = [s for s in composed.segments if s.part is Part.BLOCK and s.phase is Phase.BACKWARD]
+        assert [e.kind for e in bwd.prefetch if isinstance(e, CollectiveRecord)] == [CollectiveKind.ALL_GATHER]
 
 
 def test_composed_equals_full_trace_moe_expert_parallel() -> None:
     layout = (("dp_shard", 2), ("ep", 2))
-    composed = _trace("tiny-moe", layout, layers=2).compose(3)
+    composed = _trace("tiny-moe", layout, layers=1).compose(3)
     full = _trace("tiny-moe", layout, layers=3, split=False)
     assert Counter(composed.events()) == Counter(full.events())
 
@@ -136,7 +139,7 @@ def test_full_checkpointing_recomputes_forward_and_selective_keeps_matmuls() -> 
 
 def test_optimizer_updates_every_local_parameter_once() -> None:
     cfg = dataclasses.replace(get_preset("tiny-llama"), n_layers=3)
-    t = _trace("tiny-llama", (("dp_shard", 2),), layers=2, optimizer=True).compose(3)
+    t = _trace("tiny-llama", (("dp_shard", 2),), layers=1, optimizer=True).compose(3)
     n_params = 3 * len(list(_param_names(cfg, block=True))) + len(list(_param_names(cfg, block=False)))
     lerps = [e for e in t.events() if isinstance(e, OpRecord) and e.op == "aten.lerp_.Scalar"]
     assert len(lerps) == n_params and all(e.phase is Phase.OPTIMIZER for e in lerps)

@@ -5,7 +5,7 @@ Example::
     topomesh trace llama3-70b --tp 8 --dp-shard 4 --seq-len 4096
     topomesh trace tiny-llama --tp 2 --dp-shard 2 --json
 
-The model is traced with two blocks and composed to its full depth (``--full`` traces
+The model is traced with one block and composed to its full depth (``--full`` traces
 every block instead). Prints ops by kind, FLOPs per phase, collectives by kind / mesh axis /
 phase with bytes per step on one rank, and ops the cost model does not know.
 """
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sp", action="store_true", help="tensor parallel without sequence parallel")
     p.add_argument("--checkpointing", choices=[c.value for c in Checkpointing], default="none")
     p.add_argument("--no-optimizer", action="store_true", help="trace forward and backward only")
-    p.add_argument("--full", action="store_true", help="trace every block instead of composing from two")
+    p.add_argument("--full", action="store_true", help="trace every block instead of composing from one")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             raise LayoutError(f"--{a.replace('_', '-')} must be at least 1, got {d}.")
     options = ParallelOptions(sequence_parallel=not args.no_sp, checkpointing=Checkpointing(args.checkpointing))
     spec = transformer_spec(cfg)
-    traced = cfg.n_layers if args.full else min(2, cfg.n_layers)
+    traced = cfg.n_layers if args.full else 1
     err = Console(stderr=True)
     with err.status(f"tracing {cfg.name} ({traced} of {cfg.n_layers} blocks) under {layout or 'one rank'}"):
         trace = trace_step(

@@ -7,7 +7,7 @@ and ``{"dp_shard": 4, "tp": 8}`` share a trace.
 
 :class:`TraceCache` keeps traces in a dict it owns and, when given a directory, in pickle
 files there (written atomically, keyed by a SHA-256 of the key and the torch version), so
-separate searches reuse them too. A deep model is traced with two blocks and composed
+separate searches reuse them too. A deep model is traced with one block and composed
 (:meth:`~topomesh.trace.result.Trace.compose`).
 """
 
@@ -32,7 +32,7 @@ from topomesh.trace.tracer import (
     trace_step,
 )
 
-REUSE_LAYERS = 2
+REUSE_LAYERS = 1
 """Blocks in the model actually traced; deeper models are composed from it."""
 
 

@@ -3,10 +3,11 @@
 The tracer cuts the graph of a step into segments at block boundaries (forward hooks,
 gradient hooks and one optimizer per block mark them): ``REST`` segments (embedding, head,
 loss, optimizer for non-block parameters) and ``BLOCK`` segments (one transformer block's
-forward, backward or optimizer update). A trace of a model with two blocks composes any
-depth (:meth:`Trace.compose`): :meth:`Trace.events` repeats the leading block of each phase
-in place and :meth:`Trace.summary` multiplies its counts, so an 80-layer step costs no more
-than the two-block trace it came from.
+forward, backward or optimizer update). A trace of a model with one block composes any
+depth (:meth:`Trace.compose`): :meth:`Trace.events` repeats the block segments in place and
+:meth:`Trace.summary` multiplies their counts, so an 80-layer step costs no more than the
+one-block trace it came from. Work a block's neighbour issues for it (FSDP2's prefetched
+all-gathers) is found by data flow and repeated with the block.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class Segment:
     layer: int | None = None
     """Index of the block in the traced model (BLOCK segments only)."""
     events: tuple[Event, ...]
+    prefetch: tuple[Event, ...] = ()
+    """Work for this block issued before it, from a REST segment (e.g. FSDP's backward
+    all-gather of the block that runs first in backward, issued by the head). The records
+    stay in that REST segment; a one-block trace repeats them for every further block."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,10 +107,11 @@ class Trace:
     def compose(self, n_layers: int) -> Trace:
         """This trace standing for the same model with ``n_layers`` identical blocks.
 
-        In every phase the block that runs first (layer 0 forward, the last layer backward)
-        stands for ``n_layers - traced_layers + 1`` blocks and the others for one each: with
-        FSDP's prefetching, the block that runs last in a phase differs from the rest (its
-        backward all-gather is issued by the head), so a two-block trace composes exactly.
+        From a one-block trace every BLOCK segment is repeated ``n_layers`` times, all but the
+        last copy preceded by the segment's ``prefetch`` (what the block before it issues on
+        its behalf: FSDP's backward all-gather). From a trace of two or more blocks the block
+        that runs first in each phase stands for ``n_layers - traced_layers + 1`` blocks and
+        the others for one each (the last block of a phase differs: it gets no prefetch).
         """
         if not any(s.part is Part.BLOCK for s in self.segments):
             raise ValueError("This trace has no block segments (traced with split_blocks=False).")
@@ -116,39 +122,43 @@ class Trace:
         return dataclasses.replace(self, n_layers=n_layers)
 
     def multiplicities(self) -> tuple[int, ...]:
-        """How often each segment stands in the step (see :meth:`compose`)."""
+        """How often each segment's events stand in the step (see :meth:`compose`)."""
         extra = self.n_layers - self.traced_layers
-        first: dict[Phase, int] = {}
+        if self.traced_layers == 1:
+            return tuple(self.n_layers if s.part is Part.BLOCK else 1 for s in self.segments)
+        first: dict[Phase, int | None] = {}
         out = []
         for seg in self.segments:
             if seg.part is Part.BLOCK and extra:
-                lead = first.setdefault(seg.phase, seg.layer if seg.layer is not None else -1)
+                lead = first.setdefault(seg.phase, seg.layer)
                 out.append(1 + extra if seg.layer == lead else 1)
             else:
                 out.append(1)
         return tuple(out)
 
+    def _prefetch_repeats(self, seg: Segment) -> int:
+        return self.n_layers - 1 if self.traced_layers == 1 and seg.part is Part.BLOCK else 0
+
     def events(self) -> Iterator[Event]:
-        """Every record of the step in order, the leading block of each phase repeated."""
-        mult = self.multiplicities()
-        i, segs = 0, self.segments
-        while i < len(segs):
-            j = i + 1
-            if mult[i] > 1:  # the run of segments of this block, repeated as a unit
-                while j < len(segs) and segs[j].layer == segs[i].layer and segs[j].phase is segs[i].phase:
-                    j += 1
-            for _ in range(mult[i]):
-                for s in segs[i:j]:
-                    yield from s.events
-            i = j
+        """Every record of the step in order, composed block segments repeated in place."""
+        for seg, m in zip(self.segments, self.multiplicities(), strict=True):
+            pre = self._prefetch_repeats(seg)
+            for k in range(m):
+                if k < pre:
+                    yield from seg.prefetch
+                yield from seg.events
 
     def summary(self) -> TraceSummary:
         """Counts, FLOPs and collective bytes of the whole step (composed segments multiplied)."""
         ops: Counter[str] = Counter()
         flops: Counter[str] = Counter()
         colls: dict[tuple[str, str, str], list[int]] = {}
+        weighted = []
         for seg, m in zip(self.segments, self.multiplicities(), strict=True):
-            for e in seg.events:
+            weighted.append((seg.events, m))
+            weighted.append((seg.prefetch, self._prefetch_repeats(seg)))
+        for events, m in weighted:
+            for e in events:
                 if isinstance(e, OpRecord):
                     ops[e.op] += m
                     flops[e.phase.value] += m * e.flops

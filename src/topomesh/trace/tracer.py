@@ -18,7 +18,7 @@
 Example (tiny model, TP 2 × FSDP 2)::
 
     spec = transformer_spec(get_preset("tiny-llama"))
-    t = trace_step(spec, make_parallelize(), {"dp_shard": 2, "tp": 2}, n_layers=2)
+    t = trace_step(spec, make_parallelize(), {"dp_shard": 2, "tp": 2}, n_layers=1)
     t.compose(spec.n_layers).summary().flops
 """
 
@@ -45,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from topomesh.errors import LayoutError, TopomeshError, TraceError
 from topomesh.trace.convert import GroupInfo, is_known, node_record
-from topomesh.trace.graph import CollectiveRecord, Phase
+from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
 from topomesh.trace.result import Part, Segment, Trace
 
 ParallelizeFn = Callable[[nn.Module, "dist.device_mesh.DeviceMesh"], "nn.Module | None"]
@@ -205,7 +205,7 @@ def trace_step(
     """Trace forward, backward and optimizer step of one rank under ``layout``.
 
     ``n_layers`` blocks are built (default: the real depth); with ``split_blocks`` each block's
-    records form their own segments, so a two-block trace composes deeper models
+    records form their own segments, so a one-block trace composes deeper models
     (:meth:`Trace.compose`).
     With ``warm_up`` a no-grad forward and a zero-gradient optimizer step run first (eagerly,
     on fake tensors), so the trace shows a steady-state step without first-step lazy
@@ -326,12 +326,11 @@ def _step_fn(
 def _segments(
     gm: torch.fx.GraphModule, markers: _Markers, groups: Mapping[str, GroupInfo]
 ) -> tuple[tuple[Segment, ...], tuple[str, ...]]:
+    """Cut the graph at the markers into segments of (phase, block or rest) and convert nodes."""
     phase: Phase = Phase.FORWARD
     layer: int | None = None
-    segments: list[Segment] = []
-    current: list = []
-    key: tuple[Phase, int | None] = (phase, layer)
-    unknown: set[str] = set()
+    keys: list[tuple[Phase, int | None]] = []
+    where: dict[torch.fx.Node, int] = {}  # node -> segment index
 
     def apply(labels: list[str]) -> None:
         nonlocal phase, layer
@@ -344,26 +343,82 @@ def _segments(
             else:
                 phase, layer = Phase(label), None
 
-    def flush() -> None:
-        if current:
-            part = Part.REST if key[1] is None else Part.BLOCK
-            segments.append(Segment(part=part, phase=key[0], layer=key[1], events=tuple(current)))
-            current.clear()
-
     apply(markers.marks.get(None, []))
     for node in gm.graph.nodes:
-        k = (phase, layer)
-        if k != key:
-            flush()
-            key = k
-        rec = node_record(node, gm, groups, phase)
+        if not keys or keys[-1] != (phase, layer):
+            keys.append((phase, layer))
+        where[node] = len(keys) - 1
+        apply(markers.marks.get(node, []))
+
+    records: dict[torch.fx.Node, OpRecord | CollectiveRecord] = {}
+    unknown: set[str] = set()
+    for node, i in where.items():
+        rec = node_record(node, gm, groups, keys[i][0])
         if rec is not None:
-            current.append(rec)
+            records[node] = rec
             if not isinstance(rec, CollectiveRecord) and not is_known(node.target):
                 unknown.add(rec.op)
-        apply(markers.marks.get(node, []))
-    flush()
-    return tuple(segments), tuple(sorted(unknown))
+    prefetch = _prefetches(gm, where, keys, records)
+    events: list[list] = [[] for _ in keys]
+    for node, rec in records.items():
+        events[where[node]].append(rec)
+    segments = tuple(
+        Segment(
+            part=Part.REST if lay is None else Part.BLOCK, phase=ph, layer=lay,
+            events=tuple(ev), prefetch=prefetch.get(i, ()),
+        )
+        for i, ((ph, lay), ev) in enumerate(zip(keys, events, strict=True))
+        if ev
+    )
+    return segments, tuple(sorted(unknown))
+
+
+def _prefetches(
+    gm: torch.fx.GraphModule,
+    where: Mapping[torch.fx.Node, int],
+    keys: Sequence[tuple[Phase, int | None]],
+    records: Mapping[torch.fx.Node, OpRecord | CollectiveRecord],
+) -> dict[int, tuple]:
+    """Work issued outside a block on the block's behalf: by segment index of that block.
+
+    FSDP2 prefetches: the all-gather of the block that runs next in backward is issued from
+    the previous block's (or the head's) hooks. Such a collective depends on no step input
+    (only parameters) and its result is read inside a block segment of the same phase; its
+    ancestors within its own segment (buffer, copy-in, flattening views) go with it.
+    """
+    from_input: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a in from_input for a in node.all_input_nodes):
+            from_input.add(node)
+    out: dict[int, list[torch.fx.Node]] = {}
+    for node, rec in records.items():
+        seg = where[node]
+        if not isinstance(rec, CollectiveRecord) or keys[seg][1] is not None or node in from_input:
+            continue
+        results = [node]
+        if str(node.target).startswith("c10d.") and node.args:  # in place: reads the buffer
+            first = node.args[0]
+            results += first if isinstance(first, (list, tuple)) else [first]
+        readers = [u for r in results if isinstance(r, torch.fx.Node) for u in r.users]
+        readers += [u for r in list(readers) for u in r.users]  # through wait_tensor / getitem
+        blocks = {where[u] for u in readers if keys[where[u]][1] is not None and keys[where[u]][0] is keys[seg][0]}
+        if len(blocks) != 1:
+            continue
+        unit, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in unit or where.get(n) != seg:
+                continue
+            unit.add(n)
+            stack.extend(n.all_input_nodes)
+        out.setdefault(blocks.pop(), []).extend(unit)
+    order = _order(gm)
+    return {i: tuple(records[n] for n in sorted(set(nodes), key=order) if n in records) for i, nodes in out.items()}
+
+
+def _order(gm: torch.fx.GraphModule) -> Callable[[torch.fx.Node], int]:
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return index.__getitem__
 
 
 def transformer_spec(cfg: object, *, seq_len: int | None = None) -> ModelSpec:
