@@ -85,3 +85,29 @@ def test_bad_degree() -> None:
 
     with pytest.raises(LayoutError, match="'tp' must be a positive integer, got 0"):
         trace_step(_spec(), None, {"tp": 0}, n_layers=1)
+
+
+def test_no_parameter_memory_is_allocated() -> None:
+    # 40k x 40k bf16 weights: 3.2 GB each if they were real; the trace must not care.
+    seen: list[nn.Module] = []
+
+    class Huge(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = nn.Linear(8, 40_000), nn.Linear(40_000, 8)
+            self.layers = nn.ModuleList([nn.Linear(40_000, 40_000)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.layers[0](self.inp(x)))
+
+    def build(n: int) -> nn.Module:
+        seen.append(Huge())
+        return seen[-1]
+
+    spec = ModelSpec(name="huge", key="huge", n_layers=1, build=build,
+                     make_inputs=lambda b: ((torch.randn(b, 8),), torch.randn(b, 8)), loss=F.mse_loss)
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    t = trace_step(spec, None, {}, n_layers=1)
+    assert all(isinstance(p, FakeTensor) for p in seen[0].parameters())
+    assert t.summary().flops_by_phase["forward"] == 2 * (8 * 40_000 + 40_000**2 + 40_000 * 8)
