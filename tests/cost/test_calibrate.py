@@ -39,6 +39,7 @@ def test_sweep_config_is_bounded_and_deterministic():
         SweepConfig(min_bytes=10, max_bytes=5)
 
 
+@pytest.mark.slow
 def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_path):
     out = tmp_path / "profile.json"
     start = time.monotonic()
@@ -62,6 +63,7 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
         assert 0 < small < large
 
 
+@pytest.mark.slow
 def test_cli_local_json_and_bad_input(tmp_path, capsys):
     out = tmp_path / "p.json"
     code = main(["calibrate", "--local", "2", "--json", "--min-bytes", "4096", "--max-bytes", str(2**20),

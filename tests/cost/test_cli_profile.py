@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from topomesh.cli.main import main
 from topomesh.cost.ops import records_to_json
 from topomesh.trace.graph import OpRecord, TensorMeta
@@ -47,6 +49,7 @@ def test_profile_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert "op record 0 is malformed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_profile_a_traced_preset_under_a_layout(tmp_path, capsys):
     argv = ["profile", "--model", "tiny-llama", "--layout", "tp=2,dp_shard=2", "--db", str(tmp_path / "o.sqlite"),
             "--threads", "1", "--spec", "A100-SXM4-80GB", "--json"]

@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from topomesh.cost.collectives import (
     CollectiveModel,
@@ -45,6 +47,22 @@ def test_alpha_beta_fit_recovers_the_parameters():
     term = fit_term(_synthetic(AR, SIZES, [2], alpha_us=50.0, hop_us=0.0, busbw_GBps=3.0))
     assert term.alpha_us == pytest.approx(50.0, rel=1e-6)
     assert term.busbw_GBps == pytest.approx(3.0, rel=1e-6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(alpha_us=st.floats(1.0, 1e4), busbw=st.floats(0.05, 2000.0), hop_us=st.floats(0.0, 50.0),
+       kind=st.sampled_from([k for k in CollectiveKind if k is not CollectiveKind.SEND_RECV]))
+def test_alpha_beta_fit_recovers_any_exact_parameters(alpha_us, busbw, hop_us, kind):
+    # identifiable only when the size term is visible at the largest size (fit_term refuses < 1%)
+    latency_s = (alpha_us + hop_us * ring_steps(kind, 2)) * 1e-6
+    assume(bus_factor(kind, 2) * SIZES[-1] / (busbw * 1e9) > 0.05 * latency_s)
+    term = fit_term(_synthetic(kind, SIZES, [2, 4, 8], alpha_us=alpha_us, hop_us=hop_us, busbw_GBps=busbw))
+    assert term.busbw_GBps == pytest.approx(busbw, rel=1e-4)
+    # latency terms are recovered up to what the sizes can resolve: compare predicted times
+    for n in (2, 4, 8):
+        want = (alpha_us + hop_us * ring_steps(kind, n)) * 1e-6
+        got = (term.alpha_us + term.hop_us * ring_steps(kind, n)) * 1e-6
+        assert got == pytest.approx(want, rel=1e-3, abs=1e-9 + 1e-4 * SIZES[-1] / (busbw * 1e9))
 
 
 def test_fit_with_several_group_sizes_recovers_the_per_step_latency():

@@ -124,6 +124,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
 
 
+@pytest.mark.slow
 def test_a_second_process_hits_the_cache_and_profiles_nothing(tmp_path):
     db_path = tmp_path / "shared.sqlite"
     out = []
@@ -136,6 +137,7 @@ def test_a_second_process_hits_the_cache_and_profiles_nothing(tmp_path):
     assert out[1] == {"profiled": 0, "cached": 4, "rows": 4}
 
 
+@pytest.mark.slow
 def test_concurrent_processes_share_one_table_without_errors(tmp_path):
     db_path = tmp_path / "shared.sqlite"
     procs = [_child(db_path, _records()) for _ in range(3)]
