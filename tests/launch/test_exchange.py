@@ -169,7 +169,7 @@ def test_cpu_only_entry_without_devices_roundtrips() -> None:
     assert ex.decode_node(ex.encode_node(e), group_rank=0, classes=_classes(host)) == e
 
 
-def test_leader_fetches_each_host_class_once(dgx: Host) -> None:
+def test_leader_fetches_each_host_class_once(dgx: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     store = dist.HashStore()
     other = Host(hostname="node-b", devices=dgx.devices, nics=dgx.nics, paths=dgx.paths)
     ex.publish_node(store, "t", _entry(dgx, 0))
@@ -181,10 +181,7 @@ def test_leader_fetches_each_host_class_once(dgx: Host) -> None:
         fetched.append(digest)
         return real_get(self, digest, body, group_rank=group_rank)
 
-    ex.HostClasses.add = counting_add
-    try:
-        ex.lead(store, "t", 2, timeout_s=1)
-    finally:
-        ex.HostClasses.add = real_get
+    monkeypatch.setattr(ex.HostClasses, "add", counting_add)
+    ex.lead(store, "t", 2, timeout_s=1)
     assert fetched == [ex.host_class(dgx)[0]]
     assert [h.hostname for h in ex.fetch_world(store, "t", 1).hosts] == ["dgx-h100-8gpu-8ib", "node-b"]
