@@ -84,8 +84,9 @@ def test_ib_to_ethernet_is_nic():
 def test_cpu_only_host_is_shm():
     t = single_host_topology(cpu_host("c", sockets=2), 4)
     assert t.connection(0, 1).kind is LinkKind.SHM
-    # local ranks 0 and 2 share CPU0: same device
-    assert t.connection(0, 2).kind is LinkKind.LOC
+    # local ranks 0 and 2 share CPU0: still two processes talking over shared memory
+    assert t.connection(0, 2).kind is LinkKind.SHM
+    assert t.connection(2, 2).kind is LinkKind.LOC
 
 
 def test_replica_peers_prefer_other_hosts_same_rail():

@@ -181,9 +181,10 @@ def _local_matrix(host: Host, devs: tuple[str | None, ...], pal: _Palette, d: Li
             if j < i:
                 mat[i, j] = mat[j, i]
                 continue
-            if a is not None and a == b:
-                conn = loc_connection(d)
-            elif a is None or b is None:
+            if i == j or (a is not None and a == b and dev_a.kind is DeviceKind.GPU):
+                conn = loc_connection(d)  # the rank itself, or two ranks sharing one GPU
+            elif a is None or b is None or a == b:
+                # no device, or two CPU processes on one socket: shared memory
                 conn = path_connection(None, None, d)
             else:
                 conn = path_connection(host.path(a, b), dev_a, d)

@@ -260,11 +260,15 @@ class Host:
             if not isinstance(data, Mapping):
                 raise TypeError("expected an object")
             devices = tuple(
-                Device(**{**d, "kind": DeviceKind(d["kind"])}) for d in data.get("devices", ())
+                Device(**{**_typed(Device, d), "kind": DeviceKind(d["kind"])})
+                for d in _list(data, "devices")
             )
-            nics = tuple(Nic(**{**n, "kind": NicKind(n["kind"])}) for n in data.get("nics", ()))
+            nics = tuple(
+                Nic(**{**_typed(Nic, n), "kind": NicKind(n["kind"])}) for n in _list(data, "nics")
+            )
             paths = tuple(
-                Path(**{**p, "kind": LinkKind.parse(p["kind"])}) for p in data.get("paths", ())
+                Path(**{**_typed(Path, p), "kind": LinkKind.parse(p["kind"])})
+                for p in _list(data, "paths")
             )
             hostname = data["hostname"]
             if not isinstance(hostname, str) or not hostname:
@@ -274,6 +278,38 @@ class Host:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TopologyError(f"malformed host description ({exc})", source=source) from None
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float)}
+
+
+def _list(data: Mapping[str, Any], key: str) -> list[Any]:
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        raise TypeError(f"{key} must be a list")
+    return value
+
+
+def _typed(cls: type, raw: Any) -> dict[str, Any]:
+    """Check the JSON types of a flat dataclass's fields (enums are converted by the caller)."""
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"a {cls.__name__} must be an object")
+    names = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key, value in raw.items():
+        f = names.get(key)
+        if f is None:
+            raise TypeError(f"unknown {cls.__name__} field {key!r}")
+        if key == "kind":
+            continue
+        want = str(f.type).split(" | ")
+        if value is None and "None" in want:
+            continue
+        allowed = tuple(t for name in want for t in _JSON_TYPES.get(name, ()))
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise TypeError(f"{cls.__name__}.{key} must be {' or '.join(want)}, got {value!r}")
+        if isinstance(value, float) and not np.isfinite(value):
+            raise TypeError(f"{cls.__name__}.{key} must be finite, got {value!r}")
+    return dict(raw)
 
 
 def _fields(obj: Any) -> dict[str, Any]:
@@ -465,10 +501,48 @@ def _components(topo: Topology, ranks: Sequence[int], max_tier: int) -> list[lis
 
 
 def _union_inter(topo: Topology, max_tier: int) -> list[list[int]]:
-    """Hosts joined when one rank pair between them is connected at tier <= max_tier."""
-    by_host = [h for h in topo.ranks_by_host() if h]
-    reps = [h[0] for h in by_host]
-    comps = _components(topo, reps, max_tier)
-    host_of_rep = {rep: grp for rep, grp in zip(reps, by_host, strict=True)}
-    out = [sorted(r for rep in comp for r in host_of_rep[rep]) for comp in comps]
-    return sorted(out, key=lambda g: g[0])
+    """Hosts joined when some rank pair between them is connected at tier <= ``max_tier``.
+
+    Inter-host connections depend only on the rails of the two ranks, so hosts are grouped
+    by their set of rails and only those classes are compared (hosts with one rail set
+    form one class): linear in hosts, not quadratic. Override pairs join their hosts too.
+    """
+    t = topo.table
+    ok = np.array([[t.palette[i].kind.tier <= max_tier for i in row] for row in t.inter], dtype=bool)
+    by_host = topo.ranks_by_host()
+    classes: dict[frozenset[int], list[int]] = {}
+    for h, ranks in enumerate(by_host):
+        if ranks:
+            classes.setdefault(frozenset(int(t.rail_of[r]) for r in ranks), []).append(h)
+    parent = list(range(len(by_host)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    def linked(x: frozenset[int], y: frozenset[int]) -> bool:
+        return any(ok[a, b] for a in x for b in y)
+
+    keys = list(classes)
+    for i, ki in enumerate(keys):
+        if linked(ki, ki):
+            for h in classes[ki][1:]:
+                union(classes[ki][0], h)
+        for kj in keys[i + 1 :]:
+            if linked(ki, kj):
+                union(classes[ki][0], classes[kj][0])
+    for (a, b), idx in t.overrides.items():
+        if t.palette[idx].kind.tier <= max_tier:
+            union(topo.ranks[a].host, topo.ranks[b].host)
+    groups: dict[int, list[int]] = {}
+    for h, ranks in enumerate(by_host):
+        if ranks:
+            groups.setdefault(find(h), []).extend(ranks)
+    return sorted((sorted(g) for g in groups.values()), key=lambda g: g[0])

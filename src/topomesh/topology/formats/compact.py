@@ -99,6 +99,8 @@ def _matrix(raw: Any, bound: int, where: str, source: str, square: bool) -> np.n
         raise TopologyError("expected a square matrix of integers", source=source, where=where)
     if arr.size and (arr.min() < 0 or arr.max() >= bound):
         raise TopologyError(f"connection ids must be in 0..{bound - 1}", source=source, where=where)
+    if square and not np.array_equal(arr, arr.T):
+        raise TopologyError("connections must be symmetric (matrix != its transpose)", source=source, where=where)
     return arr.astype(np.int32)
 
 
