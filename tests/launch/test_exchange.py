@@ -87,7 +87,7 @@ def _device_field(key: str, value: object):
         (lambda d: json.dumps({**d, "paths": [{"a": "GPU0", "b": "GPU42", "kind": "PIX"}]}).encode(), "unknown endpoint 'GPU42'"),
         (_device_field("arch", ["sm90"]), "arch must be str"),
         (_device_field("index", "0"), "index must be int"),
-        (lambda d: json.dumps(d, separators=(",", ":")).replace('"speed_Gbps":400.0', '"speed_Gbps":NaN').encode(), "speed_Gbps must be float"),
+        (lambda d: json.dumps(d, separators=(",", ":")).replace('"speed_Gbps":400.0', '"speed_Gbps":NaN').encode(), "speed_Gbps must be"),
     ],
 )
 def test_bad_host_descriptions_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
