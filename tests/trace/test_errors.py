@@ -111,3 +111,33 @@ def test_no_parameter_memory_is_allocated() -> None:
     t = trace_step(spec, None, {}, n_layers=1)
     assert all(isinstance(p, FakeTensor) for p in seen[0].parameters())
     assert t.summary().flops_by_phase["forward"] == 2 * (8 * 40_000 + 40_000**2 + 40_000 * 8)
+
+
+def test_flattened_group_is_placed_by_its_ranks() -> None:
+    # A parallelize function that all-reduces over a flattened (dp_shard, tp) group and over
+    # dp_replicate: the first has no mesh dim of its own, the second does.
+    from torch.distributed._functional_collectives import all_reduce
+
+    from topomesh.trace.graph import CollectiveRecord
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8)])
+            self.groups: list = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.layers[0](x)
+            for g in self.groups:
+                x = all_reduce(x, "sum", g)
+            return x
+
+    def parallelize(model: Net, mesh) -> Net:  # noqa: ANN001
+        model.groups = [mesh["dp_shard", "tp"]._flatten("dp_shard_tp").get_group(), mesh.get_group("dp_replicate")]
+        return model
+
+    spec = ModelSpec(name="flat", key="flat", n_layers=1, build=lambda n: Net(),
+                     make_inputs=lambda b: ((torch.randn(b, 8),), torch.randn(b, 8)), loss=F.mse_loss)
+    t = trace_step(spec, parallelize, {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, n_layers=1, optimizer=None)
+    fwd = [(e.mesh_axis, e.group_size) for e in t.events() if isinstance(e, CollectiveRecord) and e.phase == "forward"]
+    assert fwd == [("dp_shard+tp", 4), ("dp_replicate", 2)]

@@ -19,7 +19,7 @@ FLOPs follow ``FlopCounterMode``: matmuls ``2·m·n·k``, attention as non-causa
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -200,43 +200,82 @@ def op_record(node: torch.fx.Node, phase: Phase) -> OpRecord:
     )
 
 
-def _group_of(node: torch.fx.Node, gm: torch.fx.GraphModule, groups: Mapping[str, GroupInfo]) -> tuple[str | None, GroupInfo | None]:
-    from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+class GroupTable:
+    """Process group name → :class:`GroupInfo`, for the groups of one traced mesh.
 
-    for a in node.args:
-        name = None
-        if isinstance(a, str) and a in groups:
-            name = a
-        elif isinstance(a, torch.fx.Node) and a.op == "get_attr":
+    Groups of a mesh dimension are named after it. Any other group (a flattened or
+    concatenated mesh a parallelize function builds, e.g. ``dp_shard`` × ``cp``) is placed by
+    its ranks: the mesh axes along which its members' coordinates vary, joined by ``+``.
+    """
+
+    def __init__(self, mesh: torch.distributed.device_mesh.DeviceMesh) -> None:
+        self._ranks = mesh.mesh.reshape(-1).tolist()
+        self._shape = tuple(mesh.mesh.shape)
+        self._names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+        self._known: dict[str, GroupInfo | None] = {}
+        for i, name in enumerate(self._names):
+            pg = mesh.get_group(i)
+            self._known[pg.group_name] = GroupInfo(size=pg.size(), mesh_axis=name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    def lookup(self, name: str) -> GroupInfo | None:
+        """The group called ``name``, or None if no process group has that name."""
+        if name not in self._known:
+            self._known[name] = self._resolve(name)
+        return self._known[name]
+
+    def _resolve(self, name: str) -> GroupInfo | None:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            pg = _resolve_process_group(name)
+        except (RuntimeError, ValueError, KeyError):
+            return None
+        ranks = dist.get_process_group_ranks(pg)
+        coords = []
+        for r in ranks:
+            flat = self._ranks.index(r) if r in self._ranks else None
+            if flat is None:
+                return GroupInfo(size=pg.size(), mesh_axis=None)
+            c = []
+            for dim in reversed(self._shape):
+                c.append(flat % dim)
+                flat //= dim
+            coords.append(tuple(reversed(c)))
+        varying = [n for d, n in enumerate(self._names) if len({c[d] for c in coords}) > 1]
+        return GroupInfo(size=pg.size(), mesh_axis="+".join(varying) or None)
+
+
+def _group_of(node: torch.fx.Node, gm: torch.fx.GraphModule, groups: GroupTable) -> GroupInfo | None:
+    from torch.distributed.distributed_c10d import ProcessGroup
+
+    for a in node.args:  # c10d ops take the ProcessGroup object (traced as a constant)
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
             obj = getattr(gm, a.target, None)
             if isinstance(obj, torch.ScriptObject):
                 try:
-                    name = ProcessGroup.unbox(obj).group_name
+                    return groups.lookup(ProcessGroup.unbox(obj).group_name)
                 except RuntimeError:
                     continue
-        if name is not None:
-            if name in groups:
-                return name, groups[name]
-            return name, GroupInfo(size=_resolve_process_group(name).size(), mesh_axis=None)
-    # functional collectives name their group last, as a string
-    last = node.args[-1] if node.args else None
-    if isinstance(last, str):
-        try:
-            return last, GroupInfo(size=_resolve_process_group(last).size(), mesh_axis=None)
-        except (RuntimeError, ValueError, KeyError):
-            return last, None
-    return None, None
+    for a in node.args:
+        if isinstance(a, str) and a in groups:
+            return groups.lookup(a)
+    last = node.args[-1] if node.args else None  # functional collectives: group name last
+    return groups.lookup(last) if isinstance(last, str) else None
 
 
 def collective_record(
-    node: torch.fx.Node, gm: torch.fx.GraphModule, groups: Mapping[str, GroupInfo], phase: Phase
+    node: torch.fx.Node, gm: torch.fx.GraphModule, groups: GroupTable, phase: Phase
 ) -> CollectiveRecord:
     """The :class:`CollectiveRecord` of a collective node (bytes of the per-rank buffer)."""
     op = str(node.target)
     kind, which = _COLLECTIVES[op]
     src = node.meta.get("val") if which == "out" else _val(node.args[which])
     tensors = list(_tensors(src))
-    _, info = _group_of(node, gm, groups)
+    info = _group_of(node, gm, groups)
     return CollectiveRecord(
         kind=kind,
         bytes=sum(_nbytes(t) for t in tensors),
@@ -249,7 +288,7 @@ def collective_record(
 
 
 def node_record(
-    node: torch.fx.Node, gm: torch.fx.GraphModule, groups: Mapping[str, GroupInfo], phase: Phase
+    node: torch.fx.Node, gm: torch.fx.GraphModule, groups: GroupTable, phase: Phase
 ) -> OpRecord | CollectiveRecord | None:
     """Our record for one graph node, or None for placeholders and bookkeeping."""
     if node.op != "call_function":

@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from topomesh.errors import LayoutError, TopomeshError, TraceError
-from topomesh.trace.convert import GroupInfo, is_known, node_record
+from topomesh.trace.convert import GroupTable, is_known, node_record
 from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
 from topomesh.trace.result import Part, Segment, Trace
 
@@ -182,14 +182,6 @@ def _trace_error(spec: ModelSpec, stage: str, exc: BaseException) -> TraceError:
     return TraceError(f"Model {spec.name!r} could not be traced ({stage}){where}: {reason}.")
 
 
-def _groups(mesh: dist.device_mesh.DeviceMesh) -> dict[str, GroupInfo]:
-    out = {}
-    for name in mesh.mesh_dim_names or ():
-        pg = mesh.get_group(name)
-        out[pg.group_name] = GroupInfo(size=pg.size(), mesh_axis=name)
-    return out
-
-
 def trace_step(
     spec: ModelSpec,
     parallelize: ParallelizeFn | None,
@@ -247,7 +239,7 @@ def trace_step(
             raise
         except Exception as exc:
             raise _trace_error(spec, "forward, backward and optimizer step", exc) from exc
-        segments, unknown = _segments(gm, markers, _groups(mesh))
+        segments, unknown = _segments(gm, markers, GroupTable(mesh))
     return Trace(
         model=spec.name,
         layout=axes,
@@ -324,7 +316,7 @@ def _step_fn(
 
 
 def _segments(
-    gm: torch.fx.GraphModule, markers: _Markers, groups: Mapping[str, GroupInfo]
+    gm: torch.fx.GraphModule, markers: _Markers, groups: GroupTable
 ) -> tuple[tuple[Segment, ...], tuple[str, ...]]:
     """Cut the graph at the markers into segments of (phase, block or rest) and convert nodes."""
     phase: Phase = Phase.FORWARD
