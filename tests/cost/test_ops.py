@@ -118,6 +118,22 @@ def _child(db_path, records) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": "1", **_env()})
 
 
+def _results(procs: list[subprocess.Popen]) -> list[dict]:
+    """Each child's JSON line; children still running after the timeout are killed."""
+    try:
+        out = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=180)
+            assert p.returncode == 0, stderr
+            out.append(json.loads(stdout))
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _env() -> dict[str, str]:
     import os
 
@@ -127,12 +143,7 @@ def _env() -> dict[str, str]:
 @pytest.mark.slow
 def test_a_second_process_hits_the_cache_and_profiles_nothing(tmp_path):
     db_path = tmp_path / "shared.sqlite"
-    out = []
-    for _ in range(2):
-        p = _child(db_path, _records())
-        stdout, stderr = p.communicate(timeout=60)
-        assert p.returncode == 0, stderr
-        out.append(json.loads(stdout))
+    out = [_results([_child(db_path, _records())])[0] for _ in range(2)]
     assert out[0] == {"profiled": 4, "cached": 0, "rows": 4}
     assert out[1] == {"profiled": 0, "cached": 4, "rows": 4}
 
@@ -140,12 +151,7 @@ def test_a_second_process_hits_the_cache_and_profiles_nothing(tmp_path):
 @pytest.mark.slow
 def test_concurrent_processes_share_one_table_without_errors(tmp_path):
     db_path = tmp_path / "shared.sqlite"
-    procs = [_child(db_path, _records()) for _ in range(3)]
-    results = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=60)
-        assert p.returncode == 0, stderr
-        results.append(json.loads(stdout))
+    results = _results([_child(db_path, _records()) for _ in range(3)])
     # INSERT OR IGNORE: whoever measured first wins; the table never holds duplicates.
     with OpProfileDB(db_path) as db:
         assert db.count() == 4
