@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from topomesh.errors import LayoutError, TopomeshError, TraceError
+from topomesh.models.transformer import Transformer, TransformerConfig
 from topomesh.trace.convert import GroupTable, is_known, node_record
 from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
 from topomesh.trace.result import Part, Segment, Trace
@@ -413,11 +414,8 @@ def _order(gm: torch.fx.GraphModule) -> Callable[[torch.fx.Node], int]:
     return index.__getitem__
 
 
-def transformer_spec(cfg: object, *, seq_len: int | None = None) -> ModelSpec:
+def transformer_spec(cfg: TransformerConfig, *, seq_len: int | None = None) -> ModelSpec:
     """A :class:`ModelSpec` for the built-in :class:`~topomesh.models.transformer.Transformer`."""
-    from topomesh.models.transformer import Transformer, TransformerConfig
-
-    assert isinstance(cfg, TransformerConfig)
     if seq_len is not None:
         cfg = dataclasses.replace(cfg, seq_len=seq_len)
 
@@ -428,5 +426,5 @@ def transformer_spec(cfg: object, *, seq_len: int | None = None) -> ModelSpec:
         tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
         return (tokens,), tokens
 
-    key = repr(dataclasses.replace(cfg, name=cfg.name))
+    key = repr(cfg)
     return ModelSpec(name=cfg.name, key=key, n_layers=cfg.n_layers, build=build, make_inputs=make_inputs)
