@@ -163,3 +163,32 @@ def test_collective_kinds_are_ours() -> None:
     t = _trace("tiny-llama", (("tp", 2),))
     kinds = {e.kind for e in t.events() if isinstance(e, CollectiveRecord)}
     assert kinds <= set(CollectiveKind) and CollectiveKind.ALL_GATHER in kinds
+
+
+def test_gpt175b_preset_tp8_fsdp4_by_hand() -> None:
+    # The real GPT-3 175B shape: h=12288, 96 layers, seq 2048, vocab 51200, batch 1; tp=8 with
+    # SP and FSDP over dp_shard=4. One block traced, composed to 96.
+    cfg = get_preset("gpt-175b")
+    h, s, v, L, tp = cfg.hidden, cfg.seq_len, cfg.vocab_size, cfg.n_layers, 8
+    spec = transformer_spec(cfg)
+    t = trace_step(spec, make_parallelize(), {"dp_shard": 4, "tp": tp}, n_layers=1,
+                   optimizer=None).compose(L)
+    summary = t.summary()
+    act = 1 * s * h * BF16
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        (block,) = _block_collectives(t, phase)
+        tp_colls = [c for c in block if c[2] == "tp" and c[0] != "all_reduce"]
+        assert tp_colls == [("all_gather", act, "tp")] * 2 + [("reduce_scatter", act, "tp")] * 2
+        # SP leaves the LayerNorm weight and bias gradients partial over the sequence shards:
+        # 4 small all-reduces per block before FSDP reduce-scatters them
+        norm_grads = [c for c in block if c[0] == "all_reduce"]
+        assert norm_grads == ([("all_reduce", h * BF16, "tp")] * 4 if phase is Phase.BACKWARD else [])
+    # Parameters one TP rank holds (FSDP gathers exactly these over dp_shard):
+    # column-parallel weights and biases /tp, row-parallel weights /tp with full biases,
+    # LayerNorms replicated; embeddings, positions and head split by rows.
+    block_local = (4 * h * h + 8 * h * h) // tp + (3 * h + 4 * h) // tp + 2 * h + 4 * h
+    rest_local = (2 * v * h + s * h) // tp + 2 * h
+    fwd = summary.collectives[("all_gather", "dp_shard", "forward")]
+    assert (fwd.count, fwd.bytes) == (L + 1, (L * block_local + rest_local) * BF16)
+    tokens = s
+    assert summary.flops_by_phase["forward"] == (2 * tokens * (L * 12 * h * h + v * h) + L * 4 * s * s * h) // tp
