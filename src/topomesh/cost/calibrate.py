@@ -239,10 +239,12 @@ def run_sweep(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str,
     import torch
     import torch.distributed as dist
 
-    me, world = dist.get_rank(), dist.get_world_size()
+    from topomesh.layout import groups as tm_groups
+
+    me = dist.get_rank()
     samples: list[Sample] = []
     for spec in groups:
-        pg = None if len(spec.ranks) == world else dist.new_group(list(spec.ranks))
+        pg = tm_groups.new_group(spec.ranks)
         if me in spec.ranks:
             n = len(spec.ranks)
             for kind in cfg.collectives:

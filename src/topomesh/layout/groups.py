@@ -53,6 +53,24 @@ def ensure_process_group(device_type: str) -> None:
         dist.init_process_group(backend=backend_for(device_type))
 
 
+def new_group(ranks: Sequence[int], *, backend: str | None = None) -> dist.ProcessGroup | None:
+    """A process group over ``ranks`` (collective: every rank calls it, members or not).
+
+    Returns None for the whole world (use the default group), as torch code expects.
+    Used by calibration sweeps, which measure arbitrary rank sets rather than mesh axes.
+    """
+    ranks = sorted(ranks)
+    if ranks == list(range(dist.get_world_size())):
+        return None
+    return dist.new_group(ranks, backend=backend)
+
+
+def init_mesh(device_type: str, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
+    """A mesh over ``arange(world)`` in row-major order (no placement), e.g. for a fake
+    process group while tracing, where no physical ranks exist."""
+    return dist.device_mesh.init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
 def build_mesh(placement: Placement, device_type: str) -> DeviceMesh:
     """The placement as a ``DeviceMesh`` with named dims (``layout.mesh_axes``)."""
     world = dist.get_world_size()
