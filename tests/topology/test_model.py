@@ -138,3 +138,12 @@ def test_host_dict_round_trip_and_validation():
         Host.from_dict(dup)
     with pytest.raises(TopologyError, match="malformed"):
         Host.from_dict(["not", "a", "dict"])
+
+
+def test_renamed_host_shares_index_and_equals_a_fresh_one():
+    h = dgx_host("a")
+    r = h.renamed("b")
+    assert r == dgx_host("b") and r.hostname == "b" and h.hostname == "a"
+    assert r.path("GPU0", "NIC0").kind is LinkKind.PIX
+    with pytest.raises(TopologyError, match="non-empty string"):
+        h.renamed("")

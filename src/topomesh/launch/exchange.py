@@ -212,7 +212,7 @@ def decode_node(
             raise ValueError(f"hostname must be a non-empty string, got {name!r}")
         if not isinstance(digest_, str):
             raise ValueError(f"host_class must be a string, got {digest_!r}")
-        host = dataclasses.replace(classes.get(digest_, group_rank=group_rank), hostname=name)
+        host = classes.get(digest_, group_rank=group_rank).renamed(name)
         raw_workers = doc.get("workers")
         if not isinstance(raw_workers, list) or not raw_workers:
             raise ValueError("workers must be a non-empty list")
@@ -352,7 +352,7 @@ def decode_world(blob: bytes, *, max_bytes: int = MAX_WORLD_BYTES) -> World:
         ranks: list[RankInfo | None] = []
         for h, node in enumerate(doc["nodes"]):
             base = classes[node["class"]]
-            hosts.append(dataclasses.replace(base, hostname=str(node["hostname"])))
+            hosts.append(base.renamed(str(node["hostname"])))
             for g, local, dev in node["workers"]:
                 ranks.extend([None] * (g + 1 - len(ranks)))
                 ranks[g] = RankInfo(rank=g, host=h, local_rank=local, device=dev)

@@ -214,6 +214,20 @@ class Host:
                 raise TopologyError(f"path from {p.a!r} to itself", source=self.hostname)
             self._index[frozenset((p.a, p.b))] = p
 
+    def renamed(self, hostname: str) -> Host:
+        """This host under another name, sharing the validated path index.
+
+        ``dataclasses.replace`` would re-validate and re-index every path; for 2,048 alike
+        hosts that is most of the time of decoding a world.
+        """
+        if not isinstance(hostname, str) or not hostname:
+            raise TopologyError(f"a host name must be a non-empty string, got {hostname!r}")
+        new = object.__new__(Host)
+        for name in ("devices", "nics", "paths", "_index"):
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "hostname", hostname)
+        return new
+
     @property
     def gpus(self) -> tuple[Device, ...]:
         return tuple(d for d in self.devices if d.kind is DeviceKind.GPU)

@@ -135,7 +135,7 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
         if tpl is None:
             where = f"{source}: host_templates[{h[1]}]"
             tpl = parsed[h[1]] = Host.from_dict({**templates[h[1]], "hostname": h[0]}, source=where)
-        hosts.append(Host(hostname=h[0], devices=tpl.devices, nics=tpl.nics, paths=tpl.paths))
+        hosts.append(tpl.renamed(h[0]))
     if len({h.hostname for h in hosts}) != len(hosts):
         raise TopologyError("host names must be unique", source=source, where="$.hosts")
     try:
