@@ -192,3 +192,18 @@ def test_gpt175b_preset_tp8_fsdp4_by_hand() -> None:
     assert (fwd.count, fwd.bytes) == (L + 1, (L * block_local + rest_local) * BF16)
     tokens = s
     assert summary.flops_by_phase["forward"] == (2 * tokens * (L * 12 * h * h + v * h) + L * 4 * s * s * h) // tp
+
+
+def test_mixtral_expert_parallel_fsdp_bytes() -> None:
+    # ep=8 leaves one expert per rank; FSDP shards it on dim 1 (dim 0 has 1 row), so the
+    # all-gather carries the local expert plus the dense part of the block, nothing padded.
+    cfg = get_preset("mixtral-8x7b")
+    h, f, e = cfg.hidden, cfg.ffn_hidden, cfg.n_experts
+    kv = cfg.kv_heads * cfg.head_dim
+    t = trace_step(transformer_spec(cfg), make_parallelize(), {"dp_shard": 8, "ep": 8}, n_layers=1, optimizer=None)
+    (fwd,) = _block_collectives(t, Phase.FORWARD)
+    dense = 2 * h * h + 2 * h * kv + h * e + 2 * h  # attention, router, norms
+    experts = e // 8 * 3 * h * f
+    assert ("all_gather", (dense + experts) * BF16, "dp_shard") in fwd
+    cap = -(-cfg.seq_len * cfg.top_k // e)
+    assert [c for c in fwd if c[0] == "all_to_all"] == [("all_to_all", e * cap * h * BF16, "ep")] * 2

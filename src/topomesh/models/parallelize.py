@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -112,11 +112,23 @@ def parallelize_transformer(
     dp_axes = [a.value for a in (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD) if _axis_size(mesh, a) > 1]
     if dp_axes:
         dp_mesh = mesh[tuple(dp_axes)] if len(dp_axes) > 1 else mesh[dp_axes[0]]
+        placement = partial(_fsdp_placement, shards=_axis_size(mesh, MeshAxis.DP_SHARD))
         for block in blocks.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward)
+            fully_shard(
+                block, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward,
+                shard_placement_fn=placement,
+            )
         if isinstance(model, Transformer):
             fully_shard(model, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward)
     return model
+
+
+def _fsdp_placement(param: nn.Parameter, *, shards: int) -> Shard | None:
+    """FSDP shards dim 0, except where it has fewer rows than shards: expert weights under
+    expert parallelism (e.g. 1 local expert) would be padded ``shards``-fold, so they are
+    sharded on dim 1, as torchtitan does."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return Shard(1) if local.ndim > 1 and local.shape[0] < shards else None
 
 
 def make_parallelize(options: ParallelOptions | None = None) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
