@@ -105,7 +105,13 @@ def normalize_layout(layout: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A default process group on the fake backend for the duration of the block."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:  # private module: fail loudly if a torch release moves it
+        raise TraceError(
+            f"torch {torch.__version__} has no fake process group "
+            "(torch.testing._internal.distributed.fake_pg); tracing was tested on torch 2.13."
+        ) from exc
 
     if dist.is_initialized():
         raise TraceError(
