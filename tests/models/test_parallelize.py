@@ -75,3 +75,10 @@ def test_expert_degree_must_divide_experts() -> None:
         with pytest.raises(LayoutError, match="does not divide 3 experts"):
             parallelize_transformer(model, mesh)
     assert not dist.is_initialized()
+
+
+def test_tp_degree_must_divide_heads() -> None:
+    with fake_process_group(3):
+        mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("tp",))
+        with pytest.raises(LayoutError, match="degree 3 does not divide n_heads=8 of tiny-llama"):
+            parallelize_transformer(_model("tiny-llama"), mesh)

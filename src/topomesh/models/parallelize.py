@@ -100,7 +100,13 @@ def parallelize_transformer(
             "cannot run."
         )
     blocks = _blocks(model)
-    if _axis_size(mesh, MeshAxis.TP) > 1:
+    tp = _axis_size(mesh, MeshAxis.TP)
+    if tp > 1 and isinstance(model, Transformer):
+        cfg = model.config
+        for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_hidden", cfg.ffn_hidden)):
+            if n % tp:
+                raise LayoutError(f"Tensor parallel degree {tp} does not divide {what}={n} of {cfg.name}.")
+    if tp > 1:
         apply_tp(model, blocks, mesh[MeshAxis.TP.value], options)
     if _axis_size(mesh, MeshAxis.EP) > 1:
         for block in blocks.values():
