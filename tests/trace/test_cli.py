@@ -20,6 +20,9 @@ def test_trace_json(capsys: pytest.CaptureFixture[str]) -> None:
     # SP: 2 gathers per block forward, +1 before the vocab-parallel head; bytes b·s·h·2 each
     ag = colls[("all_gather", "tp", "forward")]
     assert ag["count"] == 2 * 2 + 1 and ag["bytes"] == ag["count"] * 2 * 32 * 64 * 2
+    kinds = doc["ops_by_kind"]
+    assert kinds["matmul"]["flops"] + kinds["attention"]["flops"] == doc["flops"]
+    assert kinds["view"]["bytes"] == 0 and kinds["pointwise"]["flops"] == 0
 
 
 def test_trace_table(capsys: pytest.CaptureFixture[str]) -> None:

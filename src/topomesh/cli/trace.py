@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         "traced_layers": trace.traced_layers,
         "trace_s": round(trace.trace_s, 4),
         **summary.to_json(),
+        "ops_by_kind": _by_kind(summary),
     }
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
@@ -96,6 +97,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(doc)
     return 0
+
+
+def _by_kind(summary: object) -> dict[str, dict[str, int]]:
+    from topomesh.trace.convert import op_kind
+
+    out: dict[str, dict[str, int]] = {}
+    for op, n in summary.op_counts.items():
+        k = out.setdefault(op_kind(op).value, {"count": 0, "flops": 0, "bytes": 0})
+        k["count"] += n
+        k["flops"] += summary.op_flops.get(op, 0)
+        k["bytes"] += summary.op_bytes.get(op, 0)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["count"]))
 
 
 def _print(doc: dict) -> None:
@@ -122,10 +135,16 @@ def _print(doc: dict) -> None:
     for c in doc["collectives"]:
         t.add_row(c["kind"], c["mesh_axis"], c["phase"], str(c["count"]), f"{c['bytes'] / 2**20:.4g}")
     out.print(t)
-    t = Table(title="Ops by kind (top 25 by count)")
+    t = Table(title="Ops by kind")
+    for c in ("kind", "count", "TFLOP", "GiB moved"):
+        t.add_column(c, justify="left" if c == "kind" else "right")
+    for kind, k in doc["ops_by_kind"].items():
+        t.add_row(kind, str(k["count"]), f"{k['flops'] / 1e12:.4g}", f"{k['bytes'] / 2**30:.4g}")
+    out.print(t)
+    t = Table(title="Ops (top 15 by count)")
     t.add_column("op")
     t.add_column("count", justify="right")
-    for op, n in sorted(doc["op_counts"].items(), key=lambda kv: -kv[1])[:25]:
+    for op, n in sorted(doc["op_counts"].items(), key=lambda kv: -kv[1])[:15]:
         t.add_row(op, str(n))
     out.print(t)
     if doc["unknown_ops"]:

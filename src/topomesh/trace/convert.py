@@ -21,6 +21,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -174,6 +175,64 @@ def is_known(target: object) -> bool:
     return torch.Tag.pointwise in tags or torch.Tag.reduction in tags
 
 
+class OpKind(StrEnum):
+    """Coarse classes of compute ops, for reports."""
+
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    POINTWISE = "pointwise"
+    REDUCTION = "reduction"
+    VIEW = "view"
+    MEMORY = "copy/alloc"
+    OTHER = "other"
+
+
+_VIEW_LIKE = {"aten._unsafe_view", "aten.detach", "aten.alias"}
+"""Not views in the alias sense, but no data moves (a reshape of a fresh tensor, a detach)."""
+_MATMUL = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"}
+_MEMORY_PREFIXES = ("aten._to_copy", "aten.clone", "aten.copy", "aten.empty", "aten.zeros",
+                    "aten.ones", "aten.full", "aten.new_", "aten.cat", "aten.split", "aten.stack",
+                    "aten.index", "aten.gather", "aten.scatter", "aten.embedding", "aten.repeat",
+                    "aten.lift_fresh", "aten.fill_", "aten.zero_", "aten.arange", "aten.scalar_tensor",
+                    "aten.slice_backward", "aten.select_backward", "aten._local_scalar_dense", "fsdp.")
+
+
+def op_kind(name: str) -> OpKind:
+    """The class of the op called ``name`` (an ATen overload name such as ``aten.mm.default``).
+
+    >>> op_kind("aten.mm.default"), op_kind("aten.add.Tensor"), op_kind("aten.view.default")
+    (<OpKind.MATMUL: 'matmul'>, <OpKind.POINTWISE: 'pointwise'>, <OpKind.VIEW: 'view'>)
+    """
+    packet = name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
+    if packet in _MATMUL:
+        return OpKind.MATMUL
+    if "scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet:
+        return OpKind.ATTENTION
+    overload = _resolve_op(name)
+    if overload is not None:
+        if getattr(overload, "is_view", False) or packet in _VIEW_LIKE:
+            return OpKind.VIEW
+        tags = getattr(overload, "tags", ())
+        if torch.Tag.pointwise in tags:
+            return OpKind.POINTWISE
+        if torch.Tag.reduction in tags:
+            return OpKind.REDUCTION
+    if packet.startswith(_MEMORY_PREFIXES):
+        return OpKind.MEMORY
+    return OpKind.OTHER
+
+
+def _resolve_op(name: str) -> object | None:
+    parts = name.split(".")
+    obj: object = torch.ops
+    try:
+        for p in parts:
+            obj = getattr(obj, p)
+    except (AttributeError, RuntimeError):
+        return None
+    return obj
+
+
 def op_record(node: torch.fx.Node, phase: Phase) -> OpRecord:
     """The :class:`OpRecord` of a compute node; FLOPs on the node's own (local) shapes."""
     target = node.target
@@ -191,7 +250,7 @@ def op_record(node: torch.fx.Node, phase: Phase) -> OpRecord:
     if formula is not None:
         flops = int(formula(*args, out_val=out, **kwargs))
     moved = 0
-    if not getattr(target, "is_view", False):
+    if not getattr(target, "is_view", False) and str(packet) not in _VIEW_LIKE:
         moved = sum(_nbytes(t) for t in _tensors(args)) + sum(_nbytes(t) for t in _tensors(out))
     scalars = tuple(_hashable(a) for a in node.args if not isinstance(a, torch.fx.Node))
     return OpRecord(

@@ -56,6 +56,10 @@ class TraceSummary:
 
     op_counts: dict[str, int]
     """Compute ops by ATen overload name."""
+    op_flops: dict[str, int]
+    """FLOPs by op name (ops with a formula only)."""
+    op_bytes: dict[str, int]
+    """Bytes read and written by op name."""
     flops_by_phase: dict[str, int]
     collectives: dict[tuple[str, str, str], CollectiveStats]
     """Keyed by (kind, mesh axis or ``"?"``, phase)."""
@@ -70,6 +74,8 @@ class TraceSummary:
             "flops": self.flops,
             "flops_by_phase": dict(self.flops_by_phase),
             "op_counts": dict(sorted(self.op_counts.items())),
+            "op_flops": dict(sorted(self.op_flops.items())),
+            "op_bytes": dict(sorted(self.op_bytes.items())),
             "collectives": [
                 {"kind": k, "mesh_axis": a, "phase": p, "count": s.count, "bytes": s.bytes}
                 for (k, a, p), s in sorted(self.collectives.items())
@@ -151,6 +157,8 @@ class Trace:
     def summary(self) -> TraceSummary:
         """Counts, FLOPs and collective bytes of the whole step (composed segments multiplied)."""
         ops: Counter[str] = Counter()
+        op_flops: Counter[str] = Counter()
+        op_bytes: Counter[str] = Counter()
         flops: Counter[str] = Counter()
         colls: dict[tuple[str, str, str], list[int]] = {}
         weighted = []
@@ -162,6 +170,9 @@ class Trace:
                 if isinstance(e, OpRecord):
                     ops[e.op] += m
                     flops[e.phase.value] += m * e.flops
+                    if e.flops:
+                        op_flops[e.op] += m * e.flops
+                    op_bytes[e.op] += m * e.bytes_moved
                 else:
                     key = (e.kind.value, e.mesh_axis or "?", e.phase.value)
                     c = colls.setdefault(key, [0, 0])
@@ -169,6 +180,8 @@ class Trace:
                     c[1] += m * e.bytes
         return TraceSummary(
             op_counts=dict(ops),
+            op_flops=dict(op_flops),
+            op_bytes=dict(op_bytes),
             flops_by_phase=dict(flops),
             collectives={k: CollectiveStats(count=c, bytes=b) for k, (c, b) in colls.items()},
             unknown_ops={op: ops[op] for op in self.unknown_ops},
