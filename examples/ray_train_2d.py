@@ -2,8 +2,9 @@
 
 Ray Train starts the workers and their gloo/NCCL process group; inside each worker the
 training loop is exactly ``train_2d.train``: ``mesh_from_topology`` places the layout
-using ``WORLD_TOPOLOGY_FILE`` when the job sets it (``--topology PATH`` here passes a file
-to every worker through the runtime environment) and one host in rank order otherwise.
+using ``WORLD_TOPOLOGY_FILE``, which :class:`topomesh.ray.TopologyTorchConfig` builds
+during worker-group start-up (one discovery per node, the same file ``topomesh launch``
+writes). ``--topology PATH`` passes a given file to every worker instead.
 
 Run on one machine, 4 CPU workers::
 
@@ -64,9 +65,13 @@ def main(argv: list[str] | None = None) -> None:
         "no_sequence_parallel": False, "out": str(Path(a.out).resolve()) if a.out else None,
     }
     storage = a.storage or os.path.join(os.environ.get("TMPDIR", "/tmp"), "topomesh-ray")
+    from topomesh.ray import TopologyTorchConfig
+
     trainer = TorchTrainer(
         _loop,
         train_loop_config=loop_config,
+        # with --topology the given file is used as is; otherwise Ray's backend builds one
+        torch_config=None if a.topology else TopologyTorchConfig(topology_dir=os.path.join(storage, "topology")),
         scaling_config=ScalingConfig(
             num_workers=world,
             use_gpu=False,

@@ -79,4 +79,9 @@ def test_ray_torchtrainer_matches_reference(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = _check_against_reference(out)
-    assert all(rec["topology_file"] is None for rec in records)  # single-host default placement
+    # the Ray integration built WORLD_TOPOLOGY_FILE for every worker: one file, 4 ranks
+    files = {rec["topology_file"] for rec in records}
+    assert len(files) == 1 and None not in files
+    from topomesh import load_topology
+
+    assert load_topology(files.pop()).world_size == 4
