@@ -9,7 +9,9 @@
 2. the model built under ``FakeTensorMode`` with the default dtype set to the training
    dtype (``.to(dtype)`` cannot swap fake parameters), then the user's ``parallelize(model,
    mesh)`` — outside fake mode, because mesh bookkeeping runs real ops on rank tables;
-3. ``make_fx`` of forward + loss + backward + optimizer step; DTensor dispatch runs inside
+3. a warm-up (no-grad forward, zero-gradient optimizer step, eagerly on fake tensors) so the
+   trace shows a steady-state step, then ``make_fx`` of forward + loss + backward + optimizer
+   step; DTensor dispatch runs inside
    the trace, so the graph holds local-shard ops and the collectives DTensor, FSDP2 and
    expert parallel issue;
 4. :mod:`topomesh.trace.convert` turns nodes into records; hooks placed during tracing cut
