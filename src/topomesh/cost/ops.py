@@ -142,7 +142,7 @@ def _itemsize(dtype: str) -> int:
 
 def record_bytes(record: OpRecord) -> int:
     """Bytes the op moves: ``bytes_moved`` when the tracer set it, else inputs + outputs."""
-    if record.bytes_moved:
+    if record.bytes_moved is not None:
         return record.bytes_moved
     return sum(t.numel * _itemsize(t.dtype) for t in (*record.inputs, *record.outputs))
 
@@ -446,7 +446,7 @@ def records_from_json(data: Any) -> list[OpRecord]:
                 inputs=tuple(meta(t) for t in r.get("inputs", ())),
                 outputs=tuple(meta(t) for t in r.get("outputs", ())),
                 flops=int(r.get("flops", 0)),
-                bytes_moved=int(r.get("bytes_moved", 0)),
+                bytes_moved=int(r["bytes_moved"]) if r.get("bytes_moved") is not None else None,
                 phase=Phase(r.get("phase", "forward")),
                 args=tup(r.get("args", [])),
             ))

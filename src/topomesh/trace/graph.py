@@ -51,8 +51,9 @@ class OpRecord:
     outputs: tuple[TensorMeta, ...]
     flops: int = 0
     """FLOPs counted on the local shapes (0 for ops without a formula)."""
-    bytes_moved: int = 0
-    """Bytes read plus written, from the input and output tensors."""
+    bytes_moved: int | None = None
+    """Bytes read plus written; 0 for ops that move nothing (views); None when unknown
+    (cost models then take the input plus output tensor sizes)."""
     phase: Phase = Phase.FORWARD
     args: tuple = field(default=(), compare=False)
     """Non-tensor arguments that change the cost (e.g. dims, transposes), as a hashable tuple."""

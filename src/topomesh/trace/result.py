@@ -172,7 +172,7 @@ class Trace:
                     flops[e.phase.value] += m * e.flops
                     if e.flops:
                         op_flops[e.op] += m * e.flops
-                    op_bytes[e.op] += m * e.bytes_moved
+                    op_bytes[e.op] += m * (e.bytes_moved or 0)
                 else:
                     key = (e.kind.value, e.mesh_axis or "?", e.phase.value)
                     c = colls.setdefault(key, [0, 0])

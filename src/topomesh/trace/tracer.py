@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from topomesh.errors import LayoutError, TopomeshError, TraceError
+from topomesh.layout import groups
 from topomesh.models.transformer import Transformer, TransformerConfig
 from topomesh.trace.convert import GroupTable, is_known, node_record
 from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
@@ -221,9 +222,7 @@ def trace_step(
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_process_group(world):
-        mesh = dist.device_mesh.init_device_mesh(
-            "cpu", tuple(d for _, d in axes), mesh_dim_names=tuple(a for a, _ in axes)
-        )
+        mesh = groups.init_mesh("cpu", [d for _, d in axes], [a for a, _ in axes])
         try:
             model = _build(spec, depth, dtype, fake)
             if parallelize is not None:
