@@ -74,8 +74,8 @@ def test_nproc_and_env_root(capsys, monkeypatch) -> None:
     assert rc == 0
     doc = json.loads(out)
     assert doc["world_size"] == "3"
-    # one NUMA node: every rank shares CPU0, so the ranks are LOC to each other
-    assert doc["ranks"]["0"]["peers"]["2"]["connection"]["type"] == "LOC"
+    # one NUMA node: every rank shares CPU0, so the processes talk over shared memory
+    assert doc["ranks"]["0"]["peers"]["2"]["connection"]["type"] == "SHM"
 
 
 def test_png(capsys, tmp_path: Path) -> None:

@@ -16,7 +16,10 @@ import copy
 import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -176,11 +179,8 @@ def mutated_text(draw: st.DrawFn, seeds: list[str]) -> str:
 
 
 def _ill_typed(host: Host) -> str | None:
-    """A field of ``host`` whose type the model does not allow, if any.
-
-    ``Host.from_dict`` (model.py) does not check field types yet, so ``"arch": ["sm90"]``
-    gets in and breaks hashing later; see ``test_host_from_dict_rejects_wrong_types``.
-    """
+    """A field of ``host`` whose type the model does not allow, if any (a list as ``arch``
+    once got through ``Host.from_dict`` and broke hashing later)."""
     types = {
         "id": str, "name": str, "index": int, "pci_bus_id": str | None, "numa_node": int | None,
         "arch": str | None, "memory_bytes": int | None, "speed_Gbps": int | float | None,
@@ -195,13 +195,12 @@ def _ill_typed(host: Host) -> str | None:
     return None
 
 
-def _usable(result: Topology, *, compact_form: bool = False) -> None:
+def _usable(result: Topology) -> None:
     """A topology a reader accepted works for every query the report makes."""
     assert isinstance(result, Topology)
     event("accepted")
-    # known gaps in model.py / compact.py (strict xfails below): skip the inputs they let
-    # through, so the fuzzer keeps looking for other problems
-    assume(not any(_ill_typed(h) for h in result.hosts))
+    for host in result.hosts:
+        assert _ill_typed(host) is None, f"{host.hostname}: {_ill_typed(host)}"
     n = result.world_size
     if n > 64:
         return
@@ -209,10 +208,14 @@ def _usable(result: Topology, *, compact_form: bool = False) -> None:
         for b in range(n):
             c = result.connection(a, b)
             assert isinstance(c, Connection)
-            if compact_form and c != result.connection(b, a):
-                assume(False)
             assert c == result.connection(b, a), f"connection({a}, {b}) differs from connection({b}, {a})"
     topology_report(result)  # builds every table and the matrix (printing them adds only layout)
+
+
+# Known bugs in readers this test does not own, each pinned by a strict xfail test below:
+# (exception, file it escapes from). Inputs that hit them are skipped so that longer
+# random runs keep looking for other problems.
+KNOWN_GAPS = ((OverflowError, "formats/compact.py"), (MemoryError, "formats/rfc.py"))
 
 
 def _only_topology_errors(read: Callable[[], Any]) -> Any:
@@ -222,6 +225,33 @@ def _only_topology_errors(read: Callable[[], Any]) -> Any:
         assert str(exc), "a TopologyError must say what is wrong"
         event("TopologyError")
         return None
+    except (OverflowError, MemoryError) as exc:
+        origin = traceback.extract_tb(exc.__traceback__)[-1].filename
+        if any(isinstance(exc, kind) and origin.endswith(where) for kind, where in KNOWN_GAPS):
+            assume(False)
+        raise
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memory_guard() -> Any:
+    """Cap this process's address space while fuzzing: a reader that allocates without
+    bound must fail with MemoryError here, not OOM-kill the shared machine."""
+    try:
+        import resource
+
+        vm_kb = next(
+            int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmSize:")
+        )
+    except (ImportError, OSError, StopIteration):
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = vm_kb * 1024 + 3 * 2**30
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 @_settings(700)
@@ -229,7 +259,7 @@ def _only_topology_errors(read: Callable[[], Any]) -> Any:
 def test_parse_text_any_format(text: str) -> None:
     result = _only_topology_errors(lambda: api.parse_text(text, source="fuzz"))
     if result is not None:
-        _usable(result, compact_form=compact.FORMAT in text)
+        _usable(result)
 
 
 @_settings(400)
@@ -245,7 +275,7 @@ def test_rfc_from_dict(doc: Any) -> None:
 def test_compact_from_dict(doc: Any) -> None:
     result = _only_topology_errors(lambda: compact.from_dict(doc, source="fuzz"))
     if result is not None:
-        _usable(result, compact_form=True)
+        _usable(result)
 
 
 @_settings(500)
@@ -254,7 +284,6 @@ def test_host_from_dict(doc: Any) -> None:
     host = _only_topology_errors(lambda: Host.from_dict(doc, source="fuzz"))
     if host is not None:
         assert isinstance(host, Host)
-        assume(_ill_typed(host) is None)
         _usable(single_host_topology(host))
 
 
@@ -279,7 +308,7 @@ def test_read_source_on_damaged_bytes(scratch: Path, data: st.DataObject) -> Non
     path.write_bytes(bytes(raw))
     result = _only_topology_errors(lambda: api.read_source(path))
     if result is not None:
-        _usable(result, compact_form=compact.FORMAT.encode() in raw)
+        _usable(result)
 
 
 def test_paths_that_are_not_files(tmp_path: Path) -> None:
@@ -296,11 +325,6 @@ def test_damaged_inputs_raise_topology_error_with_file_name(path: Path) -> None:
     assert info.value.source == str(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="model.py: Host.from_dict does not check field types; a list as arch is accepted and "
-    "build_topology then fails with TypeError (unhashable type: 'list') instead of TopologyError",
-)
 def test_host_from_dict_rejects_wrong_types() -> None:
     doc = pcie_host("box").to_dict()
     doc["devices"][0]["arch"] = ["sm86"]
@@ -308,14 +332,48 @@ def test_host_from_dict_rejects_wrong_types() -> None:
         single_host_topology(Host.from_dict(doc, source="fuzz"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compact.py: from_dict accepts a local class matrix that is not symmetric, so "
-    "connection(0, 1) is LOC while connection(1, 0) is NVSwitch",
-)
 def test_compact_rejects_asymmetric_local_matrix() -> None:
     doc = json.loads(api.dumps(WORLDS[1], "compact"))
     assert doc["local_classes"] == [[[0, 1], [1, 0]]]
     doc["local_classes"] = [[[0, 0], [1, 0]]]
     with pytest.raises(TopologyError):
         compact.from_dict(doc, source="fuzz")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="compact.py: _int_array/_matrix call np.asarray(..., dtype=np.int64) on unbounded JSON "
+    "integers; 10**25 raises OverflowError instead of TopologyError",
+)
+@pytest.mark.parametrize("key", ["rank_rail", "local_classes"])
+def test_compact_rejects_huge_integers(key: str) -> None:
+    doc = json.loads(api.dumps(WORLDS[0], "compact"))
+    if key == "rank_rail":
+        doc["rank_rail"][0] = 10**25
+    else:
+        doc["local_classes"][0][0][0] = 10**25
+    with pytest.raises(TopologyError):
+        compact.from_dict(doc, source="fuzz")
+
+
+_HUGE_RANK = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, resource.RLIM_INFINITY))
+from topomesh.errors import TopologyError
+from topomesh.topology.formats import rfc
+try:
+    rfc.from_dict({"version": "0.1", "ranks": {"0": {"peers": {}}, "9999999999": {"peers": {}}}}, source="x")
+except TopologyError as exc:
+    print("TopologyError", exc)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="rfc.py: from_dict lists missing ranks with set(range(max(ids) + 1)); a rank key "
+    "'9999999999' allocates without bound (MemoryError here under a 2 GiB cap; on the shared "
+    "machine an unguarded fuzz run was OOM-killed at 24 GB)",
+)
+def test_rfc_huge_rank_key_is_a_topology_error() -> None:
+    proc = subprocess.run([sys.executable, "-c", _HUGE_RANK], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.stdout.startswith("TopologyError"), proc.stderr[-300:]

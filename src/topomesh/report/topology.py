@@ -244,16 +244,12 @@ _DOMAIN_KINDS: Sequence[tuple[str, LinkKind]] = (
 )
 
 
-def domains_table(topo: Topology, *, max_groups: int = 8, max_hosts_inter: int = 1024) -> Table:
+def domains_table(topo: Topology, *, max_groups: int = 8) -> Table:
     """Groups of ranks joined by links at least as fast as each kind (``Topology.domains``)."""
     table = Table(title="domains", title_justify="left")
     for col in ("domain", "groups", "sizes", "members"):
         table.add_column(col, overflow="fold")
     for label, kind in _DOMAIN_KINDS:
-        if kind is LinkKind.IB and len(topo.hosts) > max_hosts_inter:
-            # Topology.domains(IB) compares every pair of hosts: seconds for thousands of hosts
-            _add_plain_row(table, label, "-", "-", f"not computed for {len(topo.hosts)} hosts")
-            continue
         groups = topo.domains(kind)
         sizes = sorted({len(g) for g in groups})
         members = "  ".join(f"[{rank_ranges(g)}]" for g in groups[:max_groups])
