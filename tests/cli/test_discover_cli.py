@@ -48,7 +48,7 @@ def test_json_for_each_fixture_tree(capsys, tree: str, ranks: int, kind_0_1: str
 def test_human_output_shows_nics_and_matrix(capsys) -> None:
     rc, out, _ = _discover(capsys, "--sysfs-root", SYSFS / "dgx-h100-8gpu-8ib")
     assert rc == 0
-    assert "dgx-h100-8gpu-8ib" in out and "8 (sm90)" in out
+    assert "dgx-h100-8gpu-8ib" in out and "8 x NVIDIA H100 80GB" in out and "(sm90)" in out
     assert "mlx5_7 (IB 400G)" in out
     assert "R7  NV18" in out
     assert "source: discover" in out

@@ -27,6 +27,7 @@ def test_a100_nvswitch_dump(shared_data: Path) -> None:
     gpus = host.gpus
     assert [g.id for g in gpus] == [f"GPU{i}" for i in range(8)]
     assert {g.arch for g in gpus} == {"sm80"}
+    assert {g.name for g in gpus} == {"A100 SXM4 80GB"}  # PCI device 0x20b2, from gpu_pci_ids.json
     assert [g.numa_node for g in gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert gpus[0].pci_bus_id == "0000:13:00.0"
     assert [d.id for d in host.devices if d.kind is DeviceKind.CPU] == ["CPU0", "CPU1"]

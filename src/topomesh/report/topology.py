@@ -108,6 +108,21 @@ def _nic_text(host: Host) -> str:
     for n in host.nics:
         speed = f" {_gbps(n.speed_Gbps)}G" if n.speed_Gbps else ""
         parts.append(f"{n.name} ({n.kind.value}{speed})")
+    return "\n".join(parts)
+
+
+def _gpu_text(host: Host) -> str:
+    """``8 x A100 SXM4 80GB (sm80)``, or ``8 (sm80)`` / ``8`` when name or arch is unknown."""
+    kinds: dict[tuple[str, str], int] = {}
+    for g in host.gpus:
+        key = (g.name, g.arch or "")
+        kinds[key] = kinds.get(key, 0) + 1
+    if not kinds:
+        return "0"
+    parts = []
+    for (name, arch), count in kinds.items():
+        text = f"{count} x {name}" if name else str(count)
+        parts.append(text + (f" ({arch})" if arch else ""))
     return ", ".join(parts)
 
 
@@ -118,9 +133,7 @@ def hosts_table(topo: Topology, *, max_rows: int = 32) -> Table:
     for col in ("host", "ranks", "GPUs", "CPUs", "NICs"):
         table.add_column(col, overflow="fold")
     for h, host in enumerate(topo.hosts[:max_rows]):
-        gpus = host.gpus
-        archs = sorted({g.arch for g in gpus if g.arch})
-        gpu_text = f"{len(gpus)}" + (f" ({', '.join(archs)})" if archs else "")
+        gpu_text = _gpu_text(host)
         cpus = [d for d in host.devices if d.kind is DeviceKind.CPU]
         _add_plain_row(table, host.hostname, rank_ranges(by_host[h]) or "-", gpu_text, str(len(cpus)), _nic_text(host))
     if len(topo.hosts) > max_rows:

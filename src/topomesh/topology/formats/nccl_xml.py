@@ -47,6 +47,7 @@ from pathlib import PurePath
 
 from topomesh.errors import TopologyError
 from topomesh.topology.defaults import link_defaults
+from topomesh.topology.discover import gpu_from_table
 from topomesh.topology.model import Device, DeviceKind, Host, LinkKind, Nic, NicKind, Path
 
 # PCI class codes (base class << 8 | subclass), PCI-SIG Code and ID Assignment Spec.
@@ -96,6 +97,7 @@ class _Pci:
     busid: str
     pci_class: int | None
     vendor: int | None
+    device: int | None
     gen: int | None
     width: int | None
     where: str
@@ -206,6 +208,7 @@ def _walk(root: ET.Element, source: str) -> _Collected:
                     busid=normalize_busid(busid),
                     pci_class=_pci_class(child, cwhere, source),
                     vendor=_attr_int(child, "vendor", cwhere, source, base=16),
+                    device=_attr_int(child, "device", cwhere, source, base=16),
                     gen=_pcie_gen(child),
                     width=_attr_int(child, "link_width", cwhere, source),
                     where=cwhere,
@@ -367,8 +370,18 @@ def _gpus(found: _Collected, source: str) -> tuple[list[Device], dict[str, _Plac
         gid = f"GPU{index}"
         if gid in places:
             raise TopologyError(f"two GPUs with dev={index}", source=source, where=where)
+        # model name (and arch when <gpu sm> is missing) from the PCI ids, as discovery does
+        known = gpu_from_table(pci.vendor, pci.device) if pci is not None else None
         devices.append(
-            Device(id=gid, kind=DeviceKind.GPU, index=index, pci_bus_id=pci.busid if pci else None, numa_node=place.cpu, arch=arch)
+            Device(
+                id=gid,
+                kind=DeviceKind.GPU,
+                index=index,
+                name=known[0] if known else "",
+                pci_bus_id=pci.busid if pci else None,
+                numa_node=place.cpu,
+                arch=arch or (known[1] if known else None),
+            )
         )
         places[gid] = place
         if pci is not None:
