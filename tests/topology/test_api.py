@@ -68,3 +68,15 @@ def test_write_atomic_leaves_old_file_on_failure(tmp_path, monkeypatch):
         api.write_atomic(p, "new")
     assert p.read_text() == "old"
     assert sorted(x.name for x in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_byte_order_mark_is_tolerated(tmp_path):
+    p = tmp_path / "bom.json"
+    p.write_bytes(b"\xef\xbb\xbf" + (GOLDEN / "two_hosts_nvlink_pairs.v01.json").read_bytes())
+    assert api.read_source(p).world_size == 4
+
+
+def test_unwritable_path_is_a_topology_error(tmp_path):
+    t = api.read_source(GOLDEN / "two_hosts_nvlink_pairs.v01.json")
+    with pytest.raises(TopologyError, match="cannot write the topology file"):
+        api.save_topology(t, tmp_path / "no" / "such" / "dir.json")

@@ -10,7 +10,6 @@ import argparse
 import sys
 
 from topomesh.cli.show import add_output_arguments, emit
-from topomesh.errors import TopologyError
 from topomesh.topology import api
 from topomesh.topology.build import single_host_topology
 from topomesh.topology.discover import ENV_SYSFS_ROOT, discover_host
@@ -51,11 +50,7 @@ def run(args: argparse.Namespace) -> int:
     host = discover_host(args.sysfs_root)
     topo = single_host_topology(host, args.nproc, source="discover")
     if args.output:
-        try:
-            api.save_topology(topo, args.output, args.form)
-        except OSError as exc:
-            # api.write_atomic lets OSError through; a bad -o path is a user error
-            raise TopologyError(f"cannot write the topology file ({exc.strerror or exc})", source=args.output) from None
+        api.save_topology(topo, args.output, args.form)  # a bad path raises TopologyError
     emit(topo, args, args.form)
     if args.output and not args.json:
         print(f"wrote {args.output}", file=sys.stderr)

@@ -45,7 +45,7 @@ def _read_text(path: str | os.PathLike[str]) -> str:
         size = p.stat().st_size
         if size > MAX_FILE_BYTES:
             raise TopologyError(f"file is {size} bytes, more than the {MAX_FILE_BYTES} this reader accepts", source=str(p))
-        return p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8-sig")  # tolerate a byte-order mark
     except FileNotFoundError:
         raise TopologyError("no such file", source=str(p)) from None
     except IsADirectoryError:
@@ -156,4 +156,8 @@ def save_topology(
     dense_max_ranks: int = DENSE_MAX_RANKS,
 ) -> Path:
     """Write ``topo`` atomically in the dense v0.1 form or the compact form."""
-    return write_atomic(path, dumps(topo, form, dense_max_ranks=dense_max_ranks))
+    text = dumps(topo, form, dense_max_ranks=dense_max_ranks)
+    try:
+        return write_atomic(path, text)
+    except OSError as exc:
+        raise TopologyError(f"cannot write the topology file ({exc.strerror or exc})", source=str(path)) from None

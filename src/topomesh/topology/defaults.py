@@ -26,6 +26,7 @@ class LinkDefaults:
     loc_GBps: float
     shm_GBps: float
     net_GBps_default: float
+    nvlinks_per_gpu_max: int
     latency_us: dict[str, float]
 
     def latency(self, kind: LinkKind) -> float:
@@ -59,6 +60,7 @@ def link_defaults() -> LinkDefaults:
         loc_GBps=value("loc_GBps"),
         shm_GBps=value("shm_GBps"),
         net_GBps_default=value("net_GBps_default"),
+        nvlinks_per_gpu_max=int(value("nvlinks_per_gpu_max")),
         latency_us={k: float(v) for k, v in raw["latency_us"].items() if not k.startswith("_")},
     )
 

@@ -84,17 +84,17 @@ def _int_array(doc: dict[str, Any], key: str, length: int | None, bound: int, so
         raise TopologyError("expected a list of integers", source=source, where=f"$.{key}")
     if length is not None and len(raw) != length:
         raise TopologyError(f"expected {length} entries, found {len(raw)}", source=source, where=f"$.{key}")
-    arr = np.asarray(raw, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= bound):
+    if any(not 0 <= x < bound for x in raw):
         raise TopologyError(f"values must be in 0..{bound - 1}", source=source, where=f"$.{key}")
+    arr = np.asarray(raw, dtype=np.int64)
     return arr.astype(np.int32)
 
 
 def _matrix(raw: Any, bound: int, where: str, source: str, square: bool) -> np.ndarray:
     try:
         arr = np.asarray(raw, dtype=np.int64)
-    except (TypeError, ValueError):
-        raise TopologyError("expected a matrix of integers", source=source, where=where) from None
+    except (TypeError, ValueError, OverflowError):
+        raise TopologyError("expected a matrix of integers in range", source=source, where=where) from None
     if arr.ndim != 2 or (square and arr.shape[0] != arr.shape[1]) or arr.dtype.kind != "i":
         raise TopologyError("expected a square matrix of integers", source=source, where=where)
     if arr.size and (arr.min() < 0 or arr.max() >= bound):

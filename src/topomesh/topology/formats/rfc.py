@@ -218,7 +218,7 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
     n = len(raw_ranks)
     ids = sorted(int(k) for k in raw_ranks)
     if ids != list(range(n)):
-        missing = sorted(set(range(max(ids, default=-1) + 1)) - set(ids))
+        missing = sorted(set(range(n)) - set(ids))
         raise TopologyError(f"ranks must be 0..{n - 1}; missing {missing[:5]}", source=source, where="$.ranks")
     pairs: dict[tuple[int, int], Connection] = {}
     for a in range(n):

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from topomesh.errors import TopologyError
+from topomesh.topology.defaults import link_defaults
 from topomesh.topology.formats.nccl_xml import MAX_ATTR_INT, host_name_for, is_rdma_name
 from topomesh.topology.model import Device, DeviceKind, Host, LinkKind, Nic, NicKind, Path
 
@@ -37,12 +38,6 @@ _NV = re.compile(r"^NV(\d+)$")
 _NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 _PCIE = {"PIX": LinkKind.PIX, "PXB": LinkKind.PXB, "PHB": LinkKind.PHB, "NODE": LinkKind.NODE, "SYS": LinkKind.SYS, "SOC": LinkKind.SYS}
 _CELL = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)$")
-
-NVLINKS_PER_GPU_MAX = 18
-"""Most NVLinks one GPU has: 18 on H100 and B200 (NVIDIA H100 / B200 datasheets; A100 has
-12, V100 6). An all-to-all ``NV#`` matrix whose direct mesh would need more links per GPU
-than this must go through NVSwitches."""
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Row:
@@ -203,7 +198,7 @@ def _nvlink_kind(gpus: list[Device], cell: dict[tuple[str, str], str]) -> LinkKi
     ``nvidia-smi`` prints NVSwitch-connected GPUs as ``NV#`` with # the GPU's links to the
     fabric. All-to-all with equal counts on 4 or more GPUs is a switch, unless a direct
     mesh with that count fits in one GPU's links (4-GPU HGX boards: NV4 on A100, NV6 on
-    H100, are direct meshes): ``(gpus - 1) * count > NVLINKS_PER_GPU_MAX`` decides.
+    H100, are direct meshes): ``(gpus - 1) * count > nvlinks_per_gpu_max`` (data/links.json) decides.
     """
     ids = [g.id for g in gpus]
     counts = set()
@@ -213,6 +208,6 @@ def _nvlink_kind(gpus: list[Device], cell: dict[tuple[str, str], str]) -> LinkKi
             if not nv:
                 return LinkKind.NVLINK
             counts.add(int(nv.group(1)))
-    if len(ids) >= 4 and len(counts) == 1 and (len(ids) - 1) * counts.pop() > NVLINKS_PER_GPU_MAX:
+    if len(ids) >= 4 and len(counts) == 1 and (len(ids) - 1) * counts.pop() > link_defaults().nvlinks_per_gpu_max:
         return LinkKind.NVSWITCH
     return LinkKind.NVLINK
