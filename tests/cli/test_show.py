@@ -190,3 +190,28 @@ def test_large_single_host_matrix_is_cut() -> None:
     text = console.export_text()
     assert "ranks 0-31 of 40 (host big)\n" in text and "other hosts" not in text
     assert text.count("\nR") == 32
+
+
+def test_show_layout_view_places_tp_on_nvlink(tmp_path, capsys):
+    # two PCIe hosts with NVLink pairs, ranks interleaved over the hosts (not contiguous)
+    hosts = [pcie_host("a"), pcie_host("b")]
+    from topomesh.topology.model import RankInfo
+
+    ranks = [RankInfo(rank=r, host=r % 2, local_rank=r // 2, device=f"GPU{r // 2}") for r in range(8)]
+    path = tmp_path / "t.json"
+    api.save_topology(build_topology(hosts, ranks), path)
+    rc, out, _ = _show(capsys, str(path), "--layout", "tp=2,dp_shard=-1", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    axes = {a["axis"]: a for a in doc["axes"]}
+    assert axes["tp"]["link"] == "NVLink" and axes["dp_shard"]["degree"] == 4
+    # the tp groups are the NVLink pairs of one host, although their ranks are not adjacent
+    assert sorted(sorted(g) for g in axes["tp"]["groups"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    rc, out, _ = _show(capsys, str(path), "--layout", "tp=2,dp_shard=-1", "--no-matrix")
+    assert rc == 0 and "placement of tp=2 dp_shard=4" in out
+
+
+@pytest.mark.parametrize(("spec", "message"), [("tp", "AXIS=DEGREE"), ("tp=3", "needs 3 ranks"), ("warp=2", "warp")])
+def test_show_bad_layout_is_one_line(capsys, spec, message):
+    rc, out, err = _show(capsys, str(TESTS / "golden" / "two_hosts_nvlink_pairs.v01.json"), "--layout", spec)
+    assert rc == 2 and out == "" and message in err and err.count("\n") == 1

@@ -14,8 +14,9 @@ from tests.launch.conftest import SYSFS
 from topomesh.errors import LaunchError
 from topomesh.launch import files, local, probe
 from topomesh.launch.exchange import digest
-from topomesh.topology.build import default_placement
+from topomesh.topology.build import build_topology, default_placement
 from topomesh.topology.discover import discover_host
+from topomesh.topology.model import LinkKind, RankInfo
 
 
 @pytest.mark.parametrize("bad", ["..", "../x", "a/b", "a\\b", ".hidden", "", "x\0y", "r" * 201])
@@ -95,7 +96,10 @@ def test_local_devices_follow_cuda_visible_devices() -> None:
     assert local.local_devices(dgx, 2, visible="GPU-uuid-a,GPU-uuid-b") == ["GPU0", "GPU1"]
     cpu = discover_host(SYSFS / "cpu-only")
     assert local.local_devices(cpu, 1) == ["CPU0"]
-    assert local.local_devices(cpu, 2) == [None, None]  # two processes on one socket: SHM, not LOC
+    assert local.local_devices(cpu, 2) == ["CPU0", "CPU0"]
+    # two processes on one socket are SHM apart, not LOC
+    topo = build_topology([cpu], [RankInfo(rank=i, host=0, local_rank=i, device="CPU0") for i in range(2)])
+    assert topo.connection(0, 1).kind is LinkKind.SHM
 
 
 def test_discovery_failure_falls_back_to_cpu_only(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:

@@ -11,10 +11,12 @@ line on stderr with exit code 2; a traceback means a bug.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import importlib.util
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from topomesh.errors import TopomeshError
 
@@ -23,11 +25,39 @@ from topomesh.errors import TopomeshError
 COMMANDS = ("discover", "show", "launch", "layout", "trace", "profile", "calibrate", "simulate", "plan")
 
 
+# `launch` takes torchrun's own arguments and lives with the launcher.
+_MODULES = {"launch": "topomesh.launch.cli"}
+
+
+def _module(name: str) -> str:
+    return _MODULES.get(name, f"topomesh.cli.{name}")
+
+
 def _available() -> list[str]:
-    return [c for c in COMMANDS if importlib.util.find_spec(f"topomesh.cli.{c}") is not None]
+    return [c for c in COMMANDS if importlib.util.find_spec(_module(c)) is not None]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _help_line(name: str) -> str:
+    """A subcommand's ``HELP`` read from its source, so listing commands imports none of
+    them (several import torch, seconds of start-up)."""
+    spec = importlib.util.find_spec(_module(name))
+    try:
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))  # type: ignore[union-attr, arg-type]
+    except (OSError, SyntaxError, TypeError):
+        return ""
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "HELP" for t in targets):
+                try:
+                    return str(ast.literal_eval(node.value))
+                except ValueError:
+                    return ""
+    return ""
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The ``topomesh`` parser; only the ``selected`` subcommand's module is imported."""
     from topomesh import __version__
 
     parser = argparse.ArgumentParser(
@@ -37,11 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"topomesh {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _available():
-        mod = importlib.import_module(f"topomesh.cli.{name}")
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
-        if hasattr(mod, "add_arguments"):
-            mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        help_line = _help_line(name)
+        p = sub.add_parser(name, help=help_line, description=help_line)
+        if name == selected and name not in _MODULES:
+            mod = importlib.import_module(_module(name))
+            if hasattr(mod, "add_arguments"):
+                mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
     return parser
 
 
@@ -52,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from topomesh.launch.cli import main as launch_main
 
             return launch_main(argv[1:])
-        parser = build_parser()
+        selected = next((a for a in argv if not a.startswith("-")), None)
+        parser = build_parser(selected)
         args = parser.parse_args(argv)
         if not getattr(args, "_run", None):
             parser.print_help()

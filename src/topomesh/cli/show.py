@@ -1,7 +1,9 @@
 """``topomesh show SOURCE``: print a topology file as tables, a matrix, JSON or a picture.
 
 SOURCE is a v0.1 file, a compact file, NCCL topology XML or ``nvidia-smi topo -m`` text,
-detected by content (:func:`topomesh.topology.api.read_source`).
+detected by content (:func:`topomesh.topology.api.read_source`). With ``--layout
+tp=8,pp=2,dp_shard=-1`` the layout view follows (hosts, ranks, each axis's groups and the
+links they cross; ``--json`` then prints the layout document of ``topomesh layout``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,30 @@ HELP = "Show a topology file (v0.1, compact, NCCL XML or nvidia-smi text) as tab
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SOURCE", help="topology file: v0.1 / compact JSON, NCCL XML, nvidia-smi topo -m text")
     add_output_arguments(parser)
+    parser.add_argument(
+        "--layout",
+        metavar="SPEC",
+        help="also show a parallel layout placed on it, e.g. tp=8,pp=2,dp_shard=-1 (-1 = the rest)",
+    )
+    parser.add_argument("--order", default=None, help="with --layout: axes fastest first, e.g. tp-cp-ep-dp_shard-dp_replicate-pp")
+
+
+def parse_layout_spec(spec: str) -> dict[str, int]:
+    """``"tp=8,pp=2"`` -> ``{"tp": 8, "pp": 2}``; a malformed spec is a LayoutError."""
+    from topomesh.errors import LayoutError
+
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise LayoutError(f"--layout expects AXIS=DEGREE pairs like tp=8,pp=2; got {part!r}") from None
+    if not out:
+        raise LayoutError("--layout is empty; give AXIS=DEGREE pairs like tp=8,pp=2")
+    return out
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,5 +78,22 @@ def emit(topo: Topology, args: argparse.Namespace, form: str = "auto") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    emit(api.read_source(args.source), args)
+    topo = api.read_source(args.source)
+    if not args.layout:
+        emit(topo, args)
+        return 0
+    import json
+
+    from rich.console import Console
+
+    from topomesh.layout.api import resolve_layout
+    from topomesh.report.layout import layout_to_dict, render_layout
+
+    layout = resolve_layout(parse_layout_spec(args.layout), topo.world_size, order=args.order)
+    if args.json:
+        json.dump(layout_to_dict(topo, layout), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    emit(topo, args)
+    Console().print(render_layout(topo, layout))
     return 0

@@ -29,6 +29,8 @@ from topomesh.topology import api
 _MODES = ("auto", "off")
 
 
+HELP = "torchrun with a topology: every worker gets WORLD_TOPOLOGY_FILE, built during the rendezvous (takes all torchrun flags)."
+
 def build_parser() -> argparse.ArgumentParser:
     """torchrun's parser with the topology options added (its flags are not re-declared)."""
     from torch.distributed.run import get_args_parser

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
 
 from topomesh.topology.build import default_placement
 from topomesh.topology.model import Device, DeviceKind, Host
@@ -44,8 +43,8 @@ def local_devices(host: Host, nproc: int, visible: str | None = None) -> list[st
     """The device id each local rank uses, torchrun's way: local rank ``i`` → GPU ``i``.
 
     ``visible`` is ``CUDA_VISIBLE_DEVICES``: a list of ordinals remaps local rank ``i`` to
-    the GPU of index ``visible[i]``. Ranks that would share a CPU device get ``None``
-    (no device of their own), so two processes on one socket are ``SHM`` apart, not ``LOC``.
+    the GPU of index ``visible[i]``. CPU-only ranks get their socket's ``CPU<n>``; two
+    processes on one socket are ``SHM`` apart (:func:`topomesh.topology.build.build_topology`).
 
     >>> from topomesh.topology.model import Device, DeviceKind, Host
     >>> h = Host(hostname="h", devices=tuple(
@@ -53,7 +52,7 @@ def local_devices(host: Host, nproc: int, visible: str | None = None) -> list[st
     >>> local_devices(h, 2, visible="2,3")
     ['GPU2', 'GPU3']
     >>> local_devices(cpu_only_host("c"), 2)
-    [None, None]
+    ['CPU0', 'CPU0']
     """
     gpus = {d.index: d.id for d in host.gpus}
     if visible and gpus:
@@ -63,14 +62,7 @@ def local_devices(host: Host, nproc: int, visible: str | None = None) -> list[st
             order = []  # UUIDs or MIG names: keep torchrun's plain order
         if order and all(i in gpus for i in order):
             return [gpus[order[i]] if i < len(order) else None for i in range(nproc)]
-    devs: list[str | None] = [r.device for r in default_placement([host], [nproc])]
-    return _unshare_cpu(host, devs)
-
-
-def _unshare_cpu(host: Host, devs: Sequence[str | None]) -> list[str | None]:
-    cpu_ids = {d.id for d in host.devices if d.kind is DeviceKind.CPU}
-    shared = {d for d in devs if d in cpu_ids and devs.count(d) > 1}
-    return [None if d in shared else d for d in devs]
+    return [r.device for r in default_placement([host], [nproc])]
 
 
 def visible_devices() -> str | None:
