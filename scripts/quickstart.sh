@@ -10,7 +10,7 @@ echo "== topomesh discover (this machine)"
 python3 -m topomesh discover -o "$out/this-host.json"
 echo
 echo "== topomesh show: NCCL topology dump of an 8x A100 NVSwitch node"
-python3 -m topomesh show examples/data/nccl-topo/a100-sxm-8gpu-nvswitch-5nic.xml
+python3 -m topomesh show examples/data/real/nccl-topo/a100-sxm-8gpu-nvswitch-5nic.xml
 if python3 -c "import topomesh.launch.cli" 2>/dev/null; then
   echo
   echo "== topomesh launch --standalone --nproc-per-node 2: every worker reads WORLD_TOPOLOGY_FILE"
