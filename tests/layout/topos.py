@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import cache
-from pathlib import Path
 
 from topomesh.topology.api import parse_host_text
 from topomesh.topology.build import build_topology, default_placement
@@ -20,7 +19,9 @@ from topomesh.topology.model import (
 )
 from topomesh.topology.model import Path as HostPath
 
-SMI = Path(__file__).resolve().parents[3] / "shared" / "data" / "real" / "nvidia-smi-topo" / "h100-sxm-8gpu-12nic.txt"
+from ..conftest import SHARED_DATA
+
+SMI = SHARED_DATA / "real" / "nvidia-smi-topo" / "h100-sxm-8gpu-12nic.txt"
 
 
 @cache
