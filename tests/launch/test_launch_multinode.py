@@ -24,10 +24,11 @@ def _rdzv(port: int, run_id: str) -> list[str]:
 def test_two_nodes_different_hosts_get_identical_files_with_right_kinds(agents: Agents) -> None:
     port = free_port()
     expect = json.dumps({"same": {"dgx-h100-8gpu-8ib": "NVSwitch", "pcie-4gpu-2numa": "PIX"}, "cross": "NIC"})
-    topo_dir = agents.tmp / "topo"
-    common = [*TWO_NODES, *_rdzv(port, "two-hosts"), f"--topology-dir={topo_dir}"]
-    a = agents.start("a", common, sysfs="dgx-h100-8gpu-8ib", env={"CHECK_EXPECT": expect})
-    b = agents.start("b", common, sysfs="pcie-4gpu-2numa", env={"CHECK_EXPECT": expect})
+    # each "node" writes into its own directory, as separate machines would
+    dir_a, dir_b = agents.tmp / "topo-a", agents.tmp / "topo-b"
+    common = [*TWO_NODES, *_rdzv(port, "two-hosts")]
+    a = agents.start("a", [*common, f"--topology-dir={dir_a}"], sysfs="dgx-h100-8gpu-8ib", env={"CHECK_EXPECT": expect})
+    b = agents.start("b", [*common, f"--topology-dir={dir_b}"], sysfs="pcie-4gpu-2numa", env={"CHECK_EXPECT": expect})
     assert agents.wait(a) == 0, agents.log(a)[-3000:]
     assert agents.wait(b) == 0, agents.log(b)[-3000:]
 
@@ -41,11 +42,15 @@ def test_two_nodes_different_hosts_get_identical_files_with_right_kinds(agents: 
     assert r0["hostnames"][0] == r0["hostnames"][1] and r0["hostnames"][2] == r0["hostnames"][3]
     assert {r["run_id"] for r in reports} == {"two-hosts"}
     assert {r["file_restart_count"] for r in reports} == {0}
-    # both agents wrote into one private run directory (same host here), same name
-    files = sorted((topo_dir / "two-hosts").iterdir())
-    assert [f.name for f in files] == [Path(r0["file"]).name]
-    assert stat.S_IMODE((topo_dir / "two-hosts").stat().st_mode) == 0o700
-    assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    # the two nodes wrote byte-identical files under the same name, each in its own
+    # private run directory
+    files_a = sorted((dir_a / "two-hosts").iterdir())
+    files_b = sorted((dir_b / "two-hosts").iterdir())
+    assert [f.name for f in files_a] == [f.name for f in files_b] == [Path(r0["file"]).name]
+    assert files_a[0].read_bytes() == files_b[0].read_bytes()
+    for d, f in ((dir_a, files_a[0]), (dir_b, files_b[0])):
+        assert stat.S_IMODE((d / "two-hosts").stat().st_mode) == 0o700
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
 
 
 def _copy_fixture(src: str, dst: Path, hostname: str) -> Path:
