@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fresh machine to first result: install (torch pinned first), then discover this machine,
-# show a real 8-GPU NVSwitch node, and launch two local workers that read the topology
-# file topomesh builds during the torchrun rendezvous.
+# show a real 8-GPU NVSwitch node, place a TP x PP layout on two real H100 hosts, and
+# launch two local workers that read the topology file topomesh builds during the
+# torchrun rendezvous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,6 +12,10 @@ python3 -m topomesh discover -o "$out/this-host.json"
 echo
 echo "== topomesh show: NCCL topology dump of an 8x A100 NVSwitch node"
 python3 -m topomesh show examples/data/real/nccl-topo/a100-sxm-8gpu-nvswitch-5nic.xml
+echo
+echo "== topomesh layout: tp=8 x pp=2 on two such H100 hosts whose ranks are numbered round-robin"
+python3 -m topomesh layout examples/data/real/nvidia-smi-topo/h100-sxm-8gpu-12nic.txt \
+  --hosts 2 --rank-order round-robin --tp 8 --pp 2
 if python3 -c "import topomesh.launch.cli" 2>/dev/null; then
   echo
   echo "== topomesh launch --standalone --nproc-per-node 2: every worker reads WORLD_TOPOLOGY_FILE"
