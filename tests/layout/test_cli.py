@@ -64,3 +64,13 @@ def test_report_api_is_reusable() -> None:
     console.print(render_layout(topo, lay))
     text = console.export_text()
     assert "tp=4" in text and "[0 1 2 3] [4 5 6 7]" in text
+
+
+def test_layout_spec_is_the_same_as_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    base = [str(SMI), "--hosts", "2", "--rank-order", "round-robin", "--json"]
+    assert main(["layout", *base, "--layout", "tp=8,pp=-1"]) == 0
+    by_spec = json.loads(capsys.readouterr().out)
+    assert main(["layout", *base, "--tp", "8", "--pp", "2"]) == 0
+    assert by_spec == json.loads(capsys.readouterr().out)
+    assert main(["layout", *base, "--layout", "tp=8,tp=2"]) == 2
+    assert "given twice" in capsys.readouterr().err

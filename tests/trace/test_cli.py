@@ -43,3 +43,14 @@ def test_bad_input_one_line(argv: list[str], message: str, capsys: pytest.Captur
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith("topomesh: error:")
+
+
+def test_layout_spec_equals_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "tiny-llama", "--layout", "tp=2", "--no-optimizer", "--json"]) == 0
+    by_spec = json.loads(capsys.readouterr().out)
+    assert main(["trace", "tiny-llama", "--tp", "2", "--no-optimizer", "--json"]) == 0
+    by_flags = json.loads(capsys.readouterr().out)
+    assert by_spec["layout"] == by_flags["layout"] == {"tp": 2}
+    assert by_spec["collectives"] == by_flags["collectives"] and by_spec["flops"] == by_flags["flops"]
+    assert main(["trace", "tiny-llama", "--tp", "2", "--layout", "tp=4"]) == 2
+    assert "tp is 2 by its flag but 4 in --layout" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from topomesh.errors import LayoutError
 from topomesh.layout.api import resolve_layout
-from topomesh.layout.dims import Axis
+from topomesh.layout.dims import Axis, merge_degrees, parse_degrees
 from topomesh.layout.place import Strategy
 from topomesh.report.layout import layout_to_dict, render_layout
 from topomesh.topology.api import read_source
@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=axis.value, type=int, default=1, metavar="N",
                             help=f"{axis.value} degree (default 1; -1 = the rest of the world)")
     parser.add_argument("--dp", dest="dp_alias", type=int, default=None, metavar="N", help="alias of --dp-replicate")
+    parser.add_argument("--layout", default=None, metavar="AXIS=N,...",
+                        help="the degrees as one spec, e.g. tp=8,pp=2,dp_shard=-1 (same as the flags)")
     parser.add_argument("--order", default=None, help="axes fastest first, e.g. tp-cp-ep-dp_shard-dp_replicate-pp (the default)")
     parser.add_argument("--strategy", choices=[s.value for s in Strategy], default=Strategy.TOPOLOGY.value,
                         help="topology: locality-aware placement (default); rank-order: logical rank i on rank i")
@@ -69,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         if degrees["dp_replicate"] != 1:
             raise LayoutError("give --dp or --dp-replicate, not both")
         degrees["dp_replicate"] = args.dp_alias
+    if args.layout:
+        degrees = merge_degrees(degrees, parse_degrees(args.layout, allow_rest=True))
     layout = resolve_layout(degrees, topo.world_size, order=args.order)
     if args.json:
         json.dump(layout_to_dict(topo, layout, args.strategy), sys.stdout, indent=2)

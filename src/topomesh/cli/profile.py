@@ -21,7 +21,8 @@ from typing import Any
 from topomesh.cost.devices import current_device_spec, device_fingerprint, device_spec
 from topomesh.cost.opdb import OpProfileDB, default_db_path
 from topomesh.cost.ops import CostSummary, ProfileRun, cost_summary, profile_ops, records_from_json
-from topomesh.errors import CalibrationError, LayoutError, TraceError
+from topomesh.errors import CalibrationError, TraceError
+from topomesh.layout.dims import parse_degrees
 from topomesh.trace.graph import OpRecord
 
 HELP = "Profile each distinct op of a traced step on this device into the shared op-profile table."
@@ -58,21 +59,6 @@ def _load(path: Path) -> list[Any]:
     return records_from_json(data)
 
 
-def parse_layout(text: str) -> dict[str, int]:
-    """``tp=2,dp_shard=4`` → ``{"tp": 2, "dp_shard": 4}``.
-
-    >>> parse_layout("tp=2, dp_shard=4")
-    {'tp': 2, 'dp_shard': 4}
-    """
-    out: dict[str, int] = {}
-    for part in filter(None, (x.strip() for x in text.split(","))):
-        axis, eq, degree = part.partition("=")
-        if not eq or not degree.strip().isdigit() or int(degree) < 1:
-            raise LayoutError(f"--layout entry {part!r} is not AXIS=DEGREE with a positive integer degree")
-        out[axis.strip()] = int(degree)
-    return out
-
-
 def _trace_records(args: argparse.Namespace) -> list[OpRecord]:
     import torch
 
@@ -85,7 +71,7 @@ def _trace_records(args: argparse.Namespace) -> list[OpRecord]:
         raise TraceError(f"--dtype {args.dtype!r} is not a torch dtype")
     spec = transformer_spec(get_preset(args.model), seq_len=args.seq_len)
     traced = min(2, spec.n_layers)
-    trace = trace_step(spec, make_parallelize(), parse_layout(args.layout), n_layers=traced,
+    trace = trace_step(spec, make_parallelize(), parse_degrees(args.layout), n_layers=traced,
                        batch_size=args.batch_size, dtype=dtype)
     if spec.n_layers > traced:
         trace = trace.compose(spec.n_layers)

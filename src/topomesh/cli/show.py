@@ -28,24 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", default=None, help="with --layout: axes fastest first, e.g. tp-cp-ep-dp_shard-dp_replicate-pp")
 
 
-def parse_layout_spec(spec: str) -> dict[str, int]:
-    """``"tp=8,pp=2"`` -> ``{"tp": 8, "pp": 2}``; a malformed spec is a LayoutError."""
-    from topomesh.errors import LayoutError
-
-    out: dict[str, int] = {}
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        key, sep, value = part.partition("=")
-        try:
-            if not sep:
-                raise ValueError
-            out[key.strip()] = int(value)
-        except ValueError:
-            raise LayoutError(f"--layout expects AXIS=DEGREE pairs like tp=8,pp=2; got {part!r}") from None
-    if not out:
-        raise LayoutError("--layout is empty; give AXIS=DEGREE pairs like tp=8,pp=2")
-    return out
-
-
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared with ``topomesh discover``."""
     parser.add_argument("--json", action="store_true", help="print the v0.1 document (compact form for large worlds)")
@@ -87,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from topomesh.layout.api import resolve_layout
+    from topomesh.layout.dims import parse_degrees
     from topomesh.report.layout import layout_to_dict, render_layout
 
-    layout = resolve_layout(parse_layout_spec(args.layout), topo.world_size, order=args.order)
+    layout = resolve_layout(parse_degrees(args.layout, allow_rest=True), topo.world_size, order=args.order)
     if args.json:
         json.dump(layout_to_dict(topo, layout), sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from topomesh.errors import LayoutError
+from topomesh.layout.dims import merge_degrees, parse_degrees
 
 HELP = "Trace a model's training step under a layout (fake tensors, one CPU process): ops, FLOPs, collectives."
 
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for axis in _AXES:
         p.add_argument(f"--{axis.replace('_', '-')}", dest=axis, type=int, default=1, metavar="N",
                        help=f"degree of the {axis} mesh axis (default 1)")
+    p.add_argument("--layout", default=None, metavar="AXIS=N,...",
+                   help="the degrees as one spec, e.g. tp=8,dp_shard=8 (same as the flags)")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the preset's)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
@@ -60,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size <= 0:
         raise LayoutError(f"--batch-size must be positive, got {args.batch_size}.")
     layout = {a: getattr(args, a) for a in _AXES if getattr(args, a) != 1}
+    if args.layout:
+        layout = merge_degrees(layout, parse_degrees(args.layout))
     for a, d in layout.items():
         if d < 1:
             raise LayoutError(f"--{a.replace('_', '-')} must be at least 1, got {d}.")

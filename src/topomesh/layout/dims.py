@@ -63,6 +63,52 @@ class Axis(StrEnum):
             raise LayoutError(f"unknown parallel axis {text!r}; the axes are {names} (and dp)") from None
 
 
+def parse_degrees(text: str, *, allow_rest: bool = False) -> dict[str, int]:
+    """A layout written as ``AXIS=DEGREE`` pairs, as every command's ``--layout`` takes it.
+
+    Axis names are normalized (``dp`` is ``dp_replicate``). With ``allow_rest`` one degree
+    may be ``-1``: the rest of the world (:func:`topomesh.layout.api.resolve_layout`).
+
+    >>> parse_degrees("tp=8, dp=2")
+    {'tp': 8, 'dp_replicate': 2}
+    >>> parse_degrees("tp=2,dp_shard=-1", allow_rest=True)
+    {'tp': 2, 'dp_shard': -1}
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, degree = part.partition("=")
+        try:
+            value = int(degree) if eq else 0
+        except ValueError:
+            value = 0
+        if not (value >= 1 or (allow_rest and value == -1)):
+            want = "a positive integer" + (" or -1 (the rest)" if allow_rest else "")
+            raise LayoutError(f"layout entry {part!r} is not AXIS=DEGREE with {want} as the degree")
+        axis = Axis.parse(name).value
+        if axis in out:
+            raise LayoutError(f"the degree of {axis} is given twice in the layout {text!r}")
+        out[axis] = value
+    if not out:
+        raise LayoutError(f"the layout {text!r} has no AXIS=DEGREE pairs; write e.g. tp=8,pp=2")
+    return out
+
+
+def merge_degrees(flags: Mapping[str, int], spec: Mapping[str, int], *, unset: int = 1) -> dict[str, int]:
+    """Per-axis flags (``--tp 8``) and a ``--layout`` spec together; an axis set both ways
+    with different degrees is an error. Flags equal to ``unset`` count as not given.
+
+    >>> merge_degrees({"tp": 8, "pp": 1}, {"pp": 2})
+    {'tp': 8, 'pp': 2}
+    """
+    out = dict(flags)
+    for axis, degree in spec.items():
+        flag = out.get(axis, unset)
+        if flag != unset and flag != degree:
+            raise LayoutError(f"{axis} is {flag} by its flag but {degree} in --layout; give it once")
+        out[axis] = degree
+    return out
+
+
 DEFAULT_ORDER: tuple[Axis, ...] = (
     Axis.TP,
     Axis.CP,
