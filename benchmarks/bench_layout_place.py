@@ -11,7 +11,6 @@ for placing tp=8 × pp=8 × dp, and for the report, plus the link kind each axis
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "sysfs" /
 
 def world(n_hosts: int):
     base = discover_host(FIXTURE)
-    hosts = [dataclasses.replace(base, hostname=f"node-{h:05d}") for h in range(n_hosts)]
+    hosts = [base.renamed(f"node-{h:05d}") for h in range(n_hosts)]
     gpus = [d.id for d in base.gpus]
     ranks = [
         RankInfo(rank=r, host=r % n_hosts, local_rank=r // n_hosts, device=gpus[r // n_hosts])
