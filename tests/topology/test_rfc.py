@@ -34,6 +34,10 @@ def test_golden_round_trip_is_identical():
     assert [h.hostname for h in topo.hosts] == ["node-a", "node-b"]
     assert topo.connection(0, 1).kind is LinkKind.NVLINK and topo.connection(0, 1).channels == 4
     assert topo.connection(1, 2).kind is LinkKind.NIC
+    # read pair by pair, the table is still compact: both hosts share one local matrix,
+    # and every inter-host pair is the common connection (no overrides)
+    assert len(topo.table.local) == 1 and list(topo.table.host_class) == [0, 0]
+    assert topo.table.overrides == {}
 
 
 def test_written_file_follows_the_rfc_shape_and_schema():

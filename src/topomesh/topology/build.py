@@ -46,6 +46,22 @@ class _Palette:
         return got
 
 
+class _Matrices:
+    """Interns local matrices: hosts whose matrices are equal share one class."""
+
+    def __init__(self) -> None:
+        self.items: list[np.ndarray] = []
+        self._ids: dict[bytes, int] = {}
+
+    def id(self, mat: np.ndarray) -> int:
+        key = mat.tobytes() + str(mat.shape).encode()
+        got = self._ids.get(key)
+        if got is None:
+            got = self._ids[key] = len(self.items)
+            self.items.append(mat)
+        return got
+
+
 def default_placement(hosts: Sequence[Host], nproc_per_host: Sequence[int]) -> list[RankInfo]:
     """torchrun's rank order: host after host, local ranks in order, GPU i for local rank i.
 
@@ -104,8 +120,7 @@ def build_topology(
         host_of[i] = r.host
 
     rails: dict[tuple[str, float | None], tuple[int, Nic | None]] = {}
-    classes: dict[bytes, int] = {}
-    local_mats: list[np.ndarray] = []
+    local_mats = _Matrices()
     host_class = np.zeros(len(hosts), dtype=np.int32)
     mat_cache: dict[tuple[int, tuple[str | None, ...]], np.ndarray] = {}
     host_sig: dict[int, int] = {}
@@ -129,11 +144,7 @@ def build_topology(
         if mat is None:
             mat = _local_matrix(host, devs, pal, d)
             mat_cache[(sig, devs)] = mat
-        cls = classes.get(mat.tobytes() + bytes(str(mat.shape), "ascii"))
-        if cls is None:
-            cls = classes[mat.tobytes() + bytes(str(mat.shape), "ascii")] = len(local_mats)
-            local_mats.append(mat)
-        host_class[h] = cls
+        host_class[h] = local_mats.id(mat)
 
     nics = [nic for _, nic in sorted(rails.values(), key=lambda t: t[0])]
     inter = np.empty((len(nics), len(nics)), dtype=np.int32)
@@ -152,7 +163,7 @@ def build_topology(
         host_of=host_of,
         local_of=local_of,
         host_class=host_class,
-        local=tuple(local_mats),
+        local=tuple(local_mats.items),
         rail_of=rail_of,
         inter=inter,
         overrides=overrides,

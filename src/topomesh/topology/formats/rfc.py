@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from topomesh.errors import TopologyError
+from topomesh.topology.build import _Matrices, _Palette
 from topomesh.topology.defaults import default_connection, loc_connection
 from topomesh.topology.model import (
     Connection,
@@ -315,8 +316,6 @@ def table_from_pairs(
     the most common inter-host connection, and the pairs that differ from it become
     overrides.
     """
-    from topomesh.topology.build import _Palette
-
     pal = _Palette()
     host_arr = np.asarray(host_of, dtype=np.int32) if n else np.zeros(0, dtype=np.int32)
     local_of = np.zeros(n, dtype=np.int32)
@@ -325,8 +324,7 @@ def table_from_pairs(
         members.setdefault(host_of[r], []).append(r)
     n_hosts = (max(host_of) + 1) if n else 0
     host_class = np.zeros(n_hosts, dtype=np.int32)
-    classes: dict[bytes, int] = {}
-    mats: list[np.ndarray] = []
+    mats = _Matrices()
     loc = loc_connection()
     for h, rs in members.items():
         rs.sort(key=lambda r: local_rank[r])
@@ -336,11 +334,7 @@ def table_from_pairs(
             local_of[a] = i
             for j, b in enumerate(rs):
                 mat[i, j] = pal.id(loc if a == b else lookup(a, b))
-        key = mat.tobytes() + str(k).encode()
-        if key not in classes:
-            classes[key] = len(mats)
-            mats.append(mat)
-        host_class[h] = classes[key]
+        host_class[h] = mats.id(mat)
     counts: Counter[Connection] = Counter()
     inter_pairs: list[tuple[int, int, Connection]] = []
     for a in range(n):
@@ -357,7 +351,7 @@ def table_from_pairs(
         host_of=host_arr,
         local_of=local_of,
         host_class=host_class,
-        local=tuple(mats),
+        local=tuple(mats.items),
         rail_of=np.zeros(n, dtype=np.int32),
         inter=inter,
         overrides=overrides,
