@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from functools import cache
 
 from topomesh.topology.api import parse_host_text
@@ -33,7 +32,7 @@ def _h100() -> Host:
 
 def h100_host(name: str) -> Host:
     """An 8×H100 SXM host (NVSwitch, IB NICs) from the real `nvidia-smi topo -m` dump."""
-    return dataclasses.replace(_h100(), hostname=name)
+    return _h100().renamed(name)
 
 
 def islands_host(name: str, *, island: int, gpus: int = 8, nvlink: LinkKind = LinkKind.NVLINK) -> Host:

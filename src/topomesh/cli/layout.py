@@ -9,7 +9,6 @@ default) or round-robin over hosts (``round-robin``), to see what placement fixe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -51,7 +50,7 @@ def _replicate(topo: Topology, n: int, round_robin: bool) -> Topology:
     if n < 1:
         raise LayoutError(f"--hosts must be at least 1, got {n}")
     base = topo.hosts[0]
-    hosts = [dataclasses.replace(base, hostname=f"{base.hostname}-{i}") for i in range(n)]
+    hosts = [base.renamed(f"{base.hostname}-{i}") for i in range(n)]
     per = topo.world_size
     ranks = []
     for r in range(n * per):
