@@ -36,7 +36,6 @@ _GPU = re.compile(r"^GPU(\d+)$")
 _NIC = re.compile(r"^NIC(\d+)$")
 _NV = re.compile(r"^NV(\d+)$")
 _NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
-_PCIE = {"PIX": LinkKind.PIX, "PXB": LinkKind.PXB, "PHB": LinkKind.PHB, "NODE": LinkKind.NODE, "SYS": LinkKind.SYS, "SOC": LinkKind.SYS}
 _CELL = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)$")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,7 +156,7 @@ def parse_smi_topo(text: str, *, source: str) -> Host:
                     raise TopologyError(f"{a} to {b} is {value}: NVLink joins GPUs only", source=source)
                 paths.append(Path(a=ids[a], b=ids[b], kind=nv_kind, nvlink_count=int(nv.group(1))))
             else:
-                paths.append(Path(a=ids[a], b=ids[b], kind=_PCIE[value]))
+                paths.append(Path(a=ids[a], b=ids[b], kind=LinkKind(value)))  # a PCIe class, SOC already read as SYS
     numas = sorted({g.numa_node for g in gpus if g.numa_node is not None})
     cpus = tuple(Device(id=f"CPU{n}", kind=DeviceKind.CPU, index=n, numa_node=n) for n in numas)
     return Host(
