@@ -51,7 +51,7 @@ def world_entries(host: Host, hosts: int, gpus: int) -> list[exchange.NodeEntry]
     return [
         exchange.NodeEntry(
             group_rank=h,
-            host=Host(hostname=f"node{h:05d}", devices=host.devices, nics=host.nics, paths=host.paths),
+            host=host.renamed(f"node{h:05d}"),
             workers=tuple(
                 exchange.WorkerSlot(global_rank=h * gpus + i, local_rank=i, device=f"GPU{i}") for i in range(gpus)
             ),
