@@ -1,7 +1,8 @@
 """Parallelize the reference transformer with PyTorch's own APIs, the way torchtitan does.
 
 :func:`parallelize_transformer` takes a model and a :class:`~torch.distributed.device_mesh.DeviceMesh`
-whose dimensions are named after :class:`MeshAxis` and applies, in torchtitan's order:
+whose dimensions are named after :class:`~topomesh.layout.dims.Axis` (an absent axis has size 1)
+and applies, in torchtitan's order:
 
 1. tensor parallel (+ sequence parallel) on the ``tp`` axis — ``ColwiseParallel``,
    ``RowwiseParallel``, ``SequenceParallel`` and ``PrepareModuleInput`` from
@@ -46,18 +47,8 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from topomesh.errors import LayoutError
+from topomesh.layout.dims import Axis
 from topomesh.models.transformer import Arch, MoE, Transformer
-
-
-class MeshAxis(StrEnum):
-    """Mesh dimension names the parallelize function looks for (absent means size 1)."""
-
-    PP = "pp"
-    DP_REPLICATE = "dp_replicate"
-    DP_SHARD = "dp_shard"
-    CP = "cp"
-    EP = "ep"
-    TP = "tp"
 
 
 class Checkpointing(StrEnum):
@@ -79,7 +70,7 @@ class ParallelOptions:
     """FSDP2: free unsharded block parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
 
 
-def _axis_size(mesh: DeviceMesh, axis: MeshAxis) -> int:
+def _axis_size(mesh: DeviceMesh, axis: Axis) -> int:
     names = mesh.mesh_dim_names or ()
     return mesh[axis.value].size() if axis.value in names else 1
 
@@ -93,32 +84,32 @@ def parallelize_transformer(
     ``TransformerBlock`` (what the tracer's block-at-a-time mode hands over).
     """
     options = options or ParallelOptions()
-    if _axis_size(mesh, MeshAxis.CP) > 1:
+    if _axis_size(mesh, Axis.CP) > 1:
         raise LayoutError(
-            f"Context parallel degree {_axis_size(mesh, MeshAxis.CP)} is not supported: "
+            f"Context parallel degree {_axis_size(mesh, Axis.CP)} is not supported: "
             "PyTorch's context_parallel only replaces CUDA attention kernels, which a CPU trace "
             "cannot run."
         )
     blocks = _blocks(model)
-    tp = _axis_size(mesh, MeshAxis.TP)
+    tp = _axis_size(mesh, Axis.TP)
     if tp > 1 and isinstance(model, Transformer):
         cfg = model.config
         for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_hidden", cfg.ffn_hidden)):
             if n % tp:
                 raise LayoutError(f"Tensor parallel degree {tp} does not divide {what}={n} of {cfg.name}.")
     if tp > 1:
-        apply_tp(model, blocks, mesh[MeshAxis.TP.value], options)
-    if _axis_size(mesh, MeshAxis.EP) > 1:
+        apply_tp(model, blocks, mesh[Axis.TP.value], options)
+    if _axis_size(mesh, Axis.EP) > 1:
         for block in blocks.values():
             if isinstance(block.feed_forward, MoE):
-                parallelize_module(block.feed_forward.experts, mesh[MeshAxis.EP.value], ExpertParallel())
+                parallelize_module(block.feed_forward.experts, mesh[Axis.EP.value], ExpertParallel())
     if options.checkpointing is not Checkpointing.NONE:
         apply_checkpointing(model, blocks, options.checkpointing)
         blocks = _blocks(model)
-    dp_axes = [a.value for a in (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD) if _axis_size(mesh, a) > 1]
+    dp_axes = [a.value for a in (Axis.DP_REPLICATE, Axis.DP_SHARD) if _axis_size(mesh, a) > 1]
     if dp_axes:
         dp_mesh = mesh[tuple(dp_axes)] if len(dp_axes) > 1 else mesh[dp_axes[0]]
-        placement = partial(_fsdp_placement, shards=_axis_size(mesh, MeshAxis.DP_SHARD))
+        placement = partial(_fsdp_placement, shards=_axis_size(mesh, Axis.DP_SHARD))
         for block in blocks.values():
             fully_shard(
                 block, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward,
