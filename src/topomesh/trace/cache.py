@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from topomesh.layout.dims import Axis
 from topomesh.trace.result import Trace
 from topomesh.trace.tracer import (
     ModelSpec,
@@ -42,7 +43,7 @@ def layout_class(layout: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     >>> layout_class({"tp": 8, "pp": 4, "dp_replicate": 1, "dp_shard": 2})
     (('dp_shard', 2), ('tp', 8))
     """
-    return tuple(sorted((str(a), int(d)) for a, d in layout.items() if a != "pp" and d > 1))
+    return tuple(sorted((str(a), int(d)) for a, d in layout.items() if a != Axis.PP and d > 1))
 
 
 def callable_key(fn: Callable | None) -> str:
@@ -106,7 +107,7 @@ class TraceCache:
             self.misses += 1
             traced = min(REUSE_LAYERS, spec.n_layers)
             trace = trace_step(
-                spec, parallelize, dict(layout_class(layout)) or {"dp_shard": 1},
+                spec, parallelize, dict(layout_class(layout)),
                 n_layers=traced, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
             )
             self._store(key, trace)

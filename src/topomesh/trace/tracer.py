@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from topomesh.errors import LayoutError, TopomeshError, TraceError
 from topomesh.layout import groups
+from topomesh.layout.dims import Axis
 from topomesh.models.transformer import Transformer, TransformerConfig
 from topomesh.trace.convert import GroupTable, is_known, node_record
 from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
@@ -54,7 +56,6 @@ from topomesh.trace.result import Part, Segment, Trace
 
 ParallelizeFn = Callable[[nn.Module, "dist.device_mesh.DeviceMesh"], "nn.Module | None"]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-PIPELINE_AXIS = "pp"
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,7 @@ def normalize_layout(layout: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     for axis, degree in layout.items():
         if not isinstance(degree, int) or degree < 1:
             raise LayoutError(f"Degree of mesh axis {axis!r} must be a positive integer, got {degree!r}.")
-        if axis != PIPELINE_AXIS:
+        if axis != Axis.PP:
             out.append((str(axis), degree))
     return tuple(out) or (("dp_shard", 1),)
 
@@ -215,9 +216,7 @@ def trace_step(
     does not trace.
     """
     axes = normalize_layout(layout)
-    world = 1
-    for _, d in axes:
-        world *= d
+    world = math.prod(d for _, d in axes)
     depth = spec.n_layers if n_layers is None else n_layers
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
