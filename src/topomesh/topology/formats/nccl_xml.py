@@ -254,17 +254,23 @@ def _net(
     return name, NicKind.IB if rdma else NicKind.ETHERNET, speed_Gbps, pci, place
 
 
+def _common_depth(a: _Place, b: _Place) -> int:
+    """How many PCI elements, from the CPU down, the two endpoints' chains share."""
+    common = 0
+    for x, y in zip(a.chain, b.chain, strict=False):
+        if x.key != y.key:
+            break
+        common += 1
+    return common
+
+
 def _pcie_class(a: _Place, b: _Place) -> LinkKind | None:
     """The ``nvidia-smi topo -m`` class between two endpoints, None when unknowable."""
     if a.cpu != b.cpu:
         return LinkKind.SYS if a.cpu is not None and b.cpu is not None else None
     if not a.chain or not b.chain:
         return LinkKind.PHB
-    common = 0
-    for x, y in zip(a.chain, b.chain, strict=False):
-        if x.key != y.key:
-            break
-        common += 1
+    common = _common_depth(a, b)
     if common == 0:
         return LinkKind.NODE
     ends = {a.chain[-1].key, b.chain[-1].key}
@@ -275,11 +281,7 @@ def _pcie_class(a: _Place, b: _Place) -> LinkKind | None:
 def _path_GBps(a: _Place, b: _Place) -> float | None:
     """Narrowest PCIe link on the path between two endpoints, when the file gives speeds."""
     d = link_defaults()
-    common = 0
-    for x, y in zip(a.chain, b.chain, strict=False):
-        if x.key != y.key:
-            break
-        common += 1
+    common = _common_depth(a, b)
     # the link of the common ancestor itself is not on the path; every element below it is
     on_path = a.chain[common:] + b.chain[common:]
     speeds = [d.pcie_GBps(p.gen, p.width) for p in on_path if p.gen and p.width]
