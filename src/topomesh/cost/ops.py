@@ -137,7 +137,7 @@ def op_dtype(record: OpRecord) -> str:
 def _itemsize(dtype: str) -> int:
     import torch
 
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return getattr(torch, dtype).itemsize
 
 
 def record_bytes(record: OpRecord) -> int:
