@@ -117,6 +117,10 @@ def test_placement_mesh_and_coords_agree() -> None:
             assert p.coords(int(mesh[pp, tp]))[Axis.TP] == tp
             assert p.coords(int(mesh[pp, tp]))[Axis.PP] == pp
     assert mesh[0].tolist() == p.groups("tp")[0]
+    assert [p.logical_rank(r) for r in p.ranks] == list(range(16))
+    for bad in (-1, 16):
+        with pytest.raises(LayoutError, match=f"rank {bad} is not in this placement of 16 ranks"):
+            p.logical_rank(bad)
 
 
 def test_ranks_sharing_a_cpu_socket_are_not_an_nvlink_island() -> None:

@@ -26,7 +26,7 @@ should (``tp=16 cannot fit in 8-GPU NVLink islands: crosses IB``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
@@ -68,12 +68,18 @@ class Placement:
     layout: Layout
     ranks: tuple[int, ...]
     strategy: Strategy
+    _logical: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """The inverse of ``ranks``: ``_logical[physical] = logical``."""
 
     def __post_init__(self) -> None:
         if sorted(self.ranks) != list(range(self.layout.world_size)):
             raise LayoutError(
                 f"a placement must use each of the {self.layout.world_size} ranks once, got {list(self.ranks)}"
             )
+        logical = [0] * len(self.ranks)
+        for i, r in enumerate(self.ranks):
+            logical[r] = i
+        object.__setattr__(self, "_logical", tuple(logical))
 
     def mesh(self) -> np.ndarray:
         """Physical ranks shaped ``layout.mesh_shape`` (dims ``layout.mesh_axes``)."""
@@ -84,10 +90,10 @@ class Placement:
         return [[self.ranks[i] for i in g] for g in axis_groups(self.layout, axes)]
 
     def logical_rank(self, rank: int) -> int:
-        try:
-            return self.ranks.index(rank)
-        except ValueError:
-            raise LayoutError(f"rank {rank} is not in this placement of {len(self.ranks)} ranks") from None
+        """The grid position physical ``rank`` holds (O(1): reports call it for every rank)."""
+        if not 0 <= rank < len(self._logical):
+            raise LayoutError(f"rank {rank} is not in this placement of {len(self.ranks)} ranks")
+        return self._logical[rank]
 
     def coords(self, rank: int) -> dict[Axis, int]:
         """Grid coordinates of physical ``rank``."""
