@@ -38,8 +38,8 @@ from topomesh.topology.model import LinkKind, Topology
 
 # Domain levels from coarse to fine; each level's domains nest inside the previous one's
 # (Topology.domains(kind) joins ranks over links at least as fast as kind).
-# The inter-host fabric is not a level: Topology.domains(IB) compares every pair of hosts,
-# which is seconds at 2k hosts, and hosts already come in order of their smallest rank.
+# The inter-host fabric is not a level: with every host on one fabric it is a single
+# domain, and the SYS level already puts whole hosts in order of their smallest rank.
 _LEVELS: tuple[LinkKind, ...] = (
     LinkKind.SYS,  # a whole host (every same-host kind is at least this fast)
     LinkKind.NODE,
