@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socketserver
 import stat
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def test_probe_measures_loopback() -> None:
         got = probe.measure(server.address, budget_s=1.0)
     assert 0 < got.latency_us < 50_000
     assert got.bandwidth_GBps > 0.01
+    assert not socketserver.ThreadingTCPServer.allow_reuse_address  # no process-wide side effect
 
 
 def test_probe_failure_is_a_launch_error() -> None:

@@ -85,13 +85,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+class _Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+
 class ProbeServer:
     """A background TCP echo/sink server; use as a context manager."""
 
     def __init__(self, bind_addr: str) -> None:
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer((bind_addr, 0), _Handler)
-        self._server.daemon_threads = True
+        self._server = _Server((bind_addr, 0), _Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="topomesh-probe", daemon=True)
 
     @property
