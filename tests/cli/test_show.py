@@ -13,7 +13,7 @@ from rich.console import Console
 
 from topomesh.cli.main import main
 from topomesh.report.plot import draw_topology
-from topomesh.report.topology import cell_label, rank_matrix, rank_ranges
+from topomesh.report.topology import cell_label, rank_matrix, rank_ranges, used_connections
 from topomesh.topology import api
 from topomesh.topology.build import build_topology, default_placement, single_host_topology
 from topomesh.topology.model import LinkKind
@@ -181,6 +181,19 @@ def test_names_from_files_are_printed_literally(capsys, tmp_path: Path) -> None:
     assert rc == 0
     assert "[bold]node[/]" in out and "$\\frac{mlx$ (IB 400G)" in out and "│ [/]" in out
     assert (tmp_path / "odd.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_links_table_lists_only_connections_some_pair_has() -> None:
+    """The palette holds every rail pair; a rail used on one host only never meets itself."""
+    hosts = [dgx_host("fast", nic_Gbps=400), dgx_host("slow", nic_Gbps=200)]
+    topo = build_topology(hosts, default_placement(hosts, [8, 8]))
+    assert len(topo.table.palette) == 4  # LOC, NVSwitch, IB 400G-400G, IB 400G-200G
+    kinds = sorted((c.kind.value, c.bandwidth_GBps) for c in used_connections(topo))
+    assert kinds == [("IB", 25.0), ("LOC", 5000.0), ("NVSwitch", 370.8)]
+    hosts.append(dgx_host("fast2", nic_Gbps=400))  # now the 400G rail crosses hosts too
+    topo = build_topology(hosts, default_placement(hosts, [8, 8, 8]))
+    kinds = sorted((c.kind.value, c.bandwidth_GBps) for c in used_connections(topo))
+    assert kinds == [("IB", 25.0), ("IB", 50.0), ("LOC", 5000.0), ("NVSwitch", 370.8)]
 
 
 def test_large_single_host_matrix_is_cut() -> None:
