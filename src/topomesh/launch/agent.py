@@ -105,14 +105,9 @@ class TopologyAgent(LocalElasticAgent):
     def __init__(self, *args: Any, topology: TopologyOptions, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._topology = topology
-        self._topology_file: str | None = None
+        self._topology_file: str | None = None  # this round's WORLD_TOPOLOGY_FILE
         self._host: Host | None = None
         self._rounds = 0
-
-    @property
-    def topology_file(self) -> str | None:
-        """The file of the current round (what workers get as ``WORLD_TOPOLOGY_FILE``)."""
-        return self._topology_file
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
