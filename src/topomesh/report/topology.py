@@ -20,7 +20,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from topomesh.topology.model import Connection, DeviceKind, Host, LinkKind, NicKind, Topology
+from topomesh.topology.model import Connection, DeviceKind, Host, LinkKind, Nic, NicKind, Topology
 
 KIND_COLORS = MappingProxyType(
     {
@@ -101,14 +101,14 @@ def _gbps(x: float | None) -> str:
     return "?" if x is None else format(x, "g")
 
 
+def _nic_label(nic: Nic, kind: str) -> str:
+    """``mlx5_0 (IB 400G)``; the speed is left out when unknown."""
+    speed = f" {_gbps(nic.speed_Gbps)}G" if nic.speed_Gbps else ""
+    return f"{nic.name} ({kind}{speed})"
+
+
 def _nic_text(host: Host) -> str:
-    if not host.nics:
-        return "-"
-    parts = []
-    for n in host.nics:
-        speed = f" {_gbps(n.speed_Gbps)}G" if n.speed_Gbps else ""
-        parts.append(f"{n.name} ({n.kind.value}{speed})")
-    return "\n".join(parts)
+    return "\n".join(_nic_label(n, n.kind.value) for n in host.nics) or "-"
 
 
 def _gpu_text(host: Host) -> str:
@@ -153,11 +153,7 @@ def ranks_table(topo: Topology, *, max_rows: int = 64) -> Table:
         dev = next((d for d in host.devices if d.id == info.device), None)
         nic = host.nearest_nic(info.device)
         path = host.path(info.device, nic.id) if nic is not None and info.device else None
-        nic_text = "-"
-        if nic is not None:
-            kind = "IB" if nic.kind is NicKind.IB else "Eth"
-            speed = f" {_gbps(nic.speed_Gbps)}G" if nic.speed_Gbps else ""
-            nic_text = f"{nic.name} ({kind}{speed})"
+        nic_text = "-" if nic is None else _nic_label(nic, "IB" if nic.kind is NicKind.IB else "Eth")
         _add_plain_row(
             table,
             str(info.rank),
