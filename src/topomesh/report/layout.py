@@ -52,14 +52,15 @@ def layout_to_dict(topo: Topology, layout: Layout, strategy: Strategy | str = St
         d["rank_order_link"] = naive[rep.axis].kind.value
         d["rank_order_bottleneck_GBps"] = naive[rep.axis].bottleneck_GBps
         axes.append(d)
+    by_host = _host_ranks(topo)
     return {
         "layout": layout.to_dict(),
         "world_size": topo.world_size,
         "strategy": Strategy(strategy).value,
         "mesh": {"dims": [a.value for a in layout.mesh_axes], "ranks": placement.mesh().tolist()},
         "hosts": [
-            {"host": h, "hostname": topo.hosts[h].hostname, "ranks": _host_ranks(topo, h)}
-            for h in range(len(topo.hosts))
+            {"host": h, "hostname": host.hostname, "ranks": by_host[h]}
+            for h, host in enumerate(topo.hosts)
         ],
         "ranks": [
             {
@@ -75,8 +76,9 @@ def layout_to_dict(topo: Topology, layout: Layout, strategy: Strategy | str = St
     }
 
 
-def _host_ranks(topo: Topology, host: int) -> list[int]:
-    return [r.rank for r in sorted((r for r in topo.ranks if r.host == host), key=lambda r: r.local_rank)]
+def _host_ranks(topo: Topology) -> list[list[int]]:
+    """The ranks of every host in local-rank order."""
+    return [sorted(g, key=lambda r: topo.ranks[r].local_rank) for g in topo.ranks_by_host()]
 
 
 def _short(device: str) -> str:
@@ -94,8 +96,9 @@ def placement_table(topo: Topology, placement: Placement) -> Table:
     for axis in layout.mesh_axes:
         table.add_column(f"{axis.value} ({layout.degree(axis)})")
     coords = {r: placement.coords(r) for r in range(topo.world_size)}
+    by_host = _host_ranks(topo)
     for h in range(min(len(topo.hosts), MAX_HOST_ROWS)):
-        ranks = _host_ranks(topo, h)
+        ranks = by_host[h]
         width = max([len(str(r)) for r in ranks] + [1])
         devices = [topo.ranks[r].device or "-" for r in ranks]
         width = max([width] + [len(_short(d)) for d in devices])
