@@ -103,7 +103,7 @@ class Placement:
 def locality_order(topo: Topology) -> list[int]:
     """Physical ranks with close ranks next to each other (see the module docstring).
 
-    The key of a rank is its domain at every level from the inter-host fabric down to its
+    The key of a rank is its domain at every level from its host down to its
     NVLink island (domains numbered by their smallest rank), then its local rank and rank.
     """
     keys: list[list[int]] = [[] for _ in range(topo.world_size)]

@@ -1,7 +1,7 @@
 """Pictures of a layout placed on a topology: a poprun-style table and per-axis links.
 
-``render_layout(topo, layout)`` returns a rich renderable (for ``topomesh layout`` and a
-future ``topomesh show --layout``); ``layout_to_dict`` the same facts as stable JSON.
+``render_layout(topo, layout)`` returns a rich renderable (for ``topomesh layout`` and
+``topomesh show --layout``); ``layout_to_dict`` the same facts as stable JSON.
 
 The placement table has one row per host, like ``poprun --print-topology`` turned on its
 side: the host, its ranks (one process, i.e. instance, each) in local-rank order, the
