@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from types import MappingProxyType
 from typing import Any
 
 from topomesh.errors import CalibrationError
+from topomesh.topology.api import write_atomic
 from topomesh.topology.model import DeviceKind
 
 CACHE_ENV = "TOPOMESH_CACHE_DIR"
@@ -303,15 +303,7 @@ def _cpu_cache_path(directory: Path) -> Path:
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON so concurrent readers see the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def cpu_spec(*, directory: Path | None = None, refresh: bool = False, **measure: Any) -> DeviceSpec:
