@@ -134,6 +134,20 @@ def test_world_rejects_rank_gaps_and_bombs(dgx: Host) -> None:
         ex.decode_world(bomb, max_bytes=1000)
 
 
+def test_world_document_carries_probe_results_and_is_checked(dgx: Host) -> None:
+    doc = json.loads(zlib.decompress(ex.assemble_world([_entry(dgx, 0), _entry(dgx, 1)], [[0, 1, 5.0, 2.0]])))
+    assert ex.decode_world(zlib.compress(json.dumps(doc).encode())).measured == {(0, 1): (5.0, 2.0)}
+    gap = [{**doc["nodes"][0], "workers": [[0, 0, "GPU0"], [2, 1, "GPU1"]]}]
+    for bad, why in [
+        ({**doc, "format": "other/9"}, "unknown format"),
+        ({**doc, "measured": [[1, 0, 5.0, 2.0]]}, r"measured node pair \(1, 0\)"),
+        ({**doc, "nodes": gap}, "global ranks have gaps"),
+        ({**doc, "classes": []}, "malformed"),
+    ]:
+        with pytest.raises(LaunchError, match=f"^the world document from node 0 .*{why}"):
+            ex.decode_world(zlib.compress(json.dumps(bad).encode()))
+
+
 def test_leader_publishes_the_error_naming_the_bad_node(dgx: Host) -> None:
     store = dist.HashStore()
     ex.publish_node(store, "t", _entry(dgx, 0))
