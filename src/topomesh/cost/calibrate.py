@@ -155,10 +155,19 @@ def _hosts_and_links(hostnames: Sequence[str], device: str
     return list(hostnames), by_host, f"no topology file: {intra.value} inside a host, NIC between hosts"
 
 
+def _elems(nbytes: int, n: int) -> int:
+    """Float32 elements of the per-rank buffer for a ``nbytes`` point: divisible by the group size ``n``.
+
+    >>> _elems(1000, 3), _elems(4, 8)
+    (249, 8)
+    """
+    return max(n, nbytes // 4 // n * n)
+
+
 def _buffers(kind: CollectiveKind, nbytes: int, n: int, device: str) -> tuple[Any, Any]:
     import torch
 
-    elems = max(n, nbytes // 4 // n * n)  # float32, divisible by the group size
+    elems = _elems(nbytes, n)
     big = torch.ones(elems, device=device)
     if kind is CollectiveKind.ALL_GATHER:
         return big[: elems // n].clone(), big
@@ -256,9 +265,8 @@ def run_sweep(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str,
                 if me == spec.ranks[0]:
                     for nbytes, t in zip(cfg.sizes(), worst.tolist(), strict=True):
                         # record the per-rank buffer as CollectiveRecord defines it
-                        elems = max(n, nbytes // 4 // n * n)
                         samples.append(Sample(collective=kind, link=spec.link, group_size=n,
-                                              nbytes=elems * 4, seconds=t))
+                                              nbytes=_elems(nbytes, n) * 4, seconds=t))
         dist.barrier()
     return samples
 
@@ -373,7 +381,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         out = args.output or default_profile_path(fp)
         write_json_atomic(Path(out), prof_dict)
         result = {"profile": str(out), "cluster_fingerprint": fp, "sweep_seconds": elapsed,
-                  "models": [m for m in prof_dict["models"]], "skipped": skipped}
+                  "models": list(prof_dict["models"]), "skipped": skipped}
         if args.result_file:
             write_json_atomic(args.result_file, result)
         return result
