@@ -25,7 +25,6 @@ from topomesh.errors import CalibrationError
 
 SCHEMA_VERSION = "1"
 BUSY_TIMEOUT_S = 60.0
-KEY_COLUMNS = ("device", "op", "shapes", "dtypes", "strides", "args")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
