@@ -44,7 +44,7 @@ _ARPHRD_INFINIBAND = 32  # /sys/class/net/*/type of an IPoIB netdev
 
 _BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$", re.IGNORECASE)
 _HOST_BRIDGE = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$", re.IGNORECASE)
-_GTPS = re.compile(r"^\s*([0-9.]+)\s*GT/s")
+_GTPS = re.compile(r"^\s*([0-9.]+)\s*GT/s", re.IGNORECASE)
 _IB_RATE = re.compile(r"^\s*([0-9.]+)\s*Gb/sec")
 # PCIe generation by per-lane transfer rate (PCI-SIG base specifications, Gen1..Gen6).
 _GEN_BY_GTPS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}

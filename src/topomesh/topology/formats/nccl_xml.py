@@ -47,7 +47,7 @@ from pathlib import PurePath
 
 from topomesh.errors import TopologyError
 from topomesh.topology.defaults import link_defaults
-from topomesh.topology.discover import gpu_from_table
+from topomesh.topology.discover import gpu_from_table, pcie_gen
 from topomesh.topology.model import Device, DeviceKind, Host, LinkKind, Nic, NicKind, Path
 
 # PCI class codes (base class << 8 | subclass), PCI-SIG Code and ID Assignment Spec.
@@ -61,9 +61,6 @@ _VENDOR_ASPEED = 0x1A03  # BMC graphics, never a compute GPU
 # RDMA device names as the kernel's ib_core names them (mlx5_0, ib0, irdma0, bnxt_re0, ...).
 _RDMA_NAME = re.compile(r"^(mlx\d|ib|irdma|bnxt_re|qedr|hfi1|efa|rxe|siw|erdma|ionic)", re.IGNORECASE)
 _DTD = re.compile(r"<!\s*(DOCTYPE|ENTITY)", re.IGNORECASE)
-_GTS = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*GT/s", re.IGNORECASE)
-# PCIe generation by per-lane transfer rate in GT/s (PCI-SIG base specifications).
-_GEN_BY_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 
 
 MAX_ATTR_INT = 2**31 - 1
@@ -145,11 +142,6 @@ def _pci_class(el: ET.Element, where: str, source: str, attr: str = "class") -> 
     return value >> 8 if len(digits) > 4 else value
 
 
-def _pcie_gen(el: ET.Element) -> int | None:
-    m = _GTS.match(el.get("link_speed") or "")
-    return _GEN_BY_GTS.get(float(m.group(1))) if m else None
-
-
 def normalize_busid(busid: str) -> str:
     """Lower case with a PCI domain: ``13:00.0`` → ``0000:13:00.0``."""
     b = busid.strip().lower()
@@ -209,7 +201,7 @@ def _walk(root: ET.Element, source: str) -> _Collected:
                     pci_class=_pci_class(child, cwhere, source),
                     vendor=_attr_int(child, "vendor", cwhere, source, base=16),
                     device=_attr_int(child, "device", cwhere, source, base=16),
-                    gen=_pcie_gen(child),
+                    gen=pcie_gen(child.get("link_speed")),
                     width=_attr_int(child, "link_width", cwhere, source),
                     where=cwhere,
                 )
