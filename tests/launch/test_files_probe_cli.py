@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.conftest import SYSFS
-from topomesh.errors import LaunchError
+from topomesh.errors import LaunchError, TopologyError
 from topomesh.launch import files, local, probe
 from topomesh.launch.exchange import digest
 from topomesh.topology.build import build_topology, default_placement
@@ -148,3 +148,22 @@ def test_parser_is_torchruns_plus_topology_options() -> None:
     assert opts.probe and opts.form.value == "compact" and opts.mode.value == "auto"
     with pytest.raises(LaunchError, match="neither 'auto', 'off' nor an existing file"):
         options_from_args(build_parser().parse_args(["--topology=/no/such/file", "x.py"]))
+
+
+def test_topology_path_is_checked_before_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from topomesh.launch.agent import TopologyMode, TopologyOptions
+    from topomesh.launch.cli import build_parser, options_from_args
+    from topomesh.topology.api import save_topology
+    from topomesh.topology.build import single_host_topology
+
+    save_topology(single_host_topology(discover_host(SYSFS / "dgx-h100-8gpu-8ib"), 2), tmp_path / "given.json")
+    (tmp_path / "bad.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    opts = options_from_args(build_parser().parse_args(["--topology=given.json", "x.py"]))
+    assert opts.mode is TopologyMode.FILE and opts.path == str(tmp_path / "given.json")  # absolute
+    with pytest.raises(TopologyError, match="bad.json: unrecognised content"):
+        options_from_args(build_parser().parse_args(["--topology=bad.json", "x.py"]))
+    with pytest.raises(LaunchError, match="exactly when the topology mode is 'file'"):
+        TopologyOptions(path=opts.path)
+    with pytest.raises(LaunchError, match="must be positive, got 0 s"):
+        TopologyOptions(timeout_s=0)
