@@ -37,7 +37,8 @@ from typing import Any
 
 from topomesh.cost.devices import DeviceSpec
 from topomesh.cost.opdb import Key, OpProfileDB, OpTiming
-from topomesh.trace.graph import OpRecord, TensorMeta
+from topomesh.errors import TraceError
+from topomesh.trace.graph import OpRecord, Phase, TensorMeta
 
 # Ops that move no data worth timing on their own (views, metadata) or are not compute.
 _SKIP_PREFIXES = ("_c10d_functional.", "c10d.", "_c10d_functional_autograd.", "_dtensor.")
@@ -424,9 +425,6 @@ def cost_summary(records: Iterable[OpRecord], spec: DeviceSpec, table: Mapping[K
 
 def records_from_json(data: Any) -> list[OpRecord]:
     """Op records from the JSON form :func:`records_to_json` writes (a list of objects)."""
-    from topomesh.errors import TraceError
-    from topomesh.trace.graph import Phase
-
     if isinstance(data, dict):
         data = data.get("ops", data.get("records"))
     if not isinstance(data, list):
