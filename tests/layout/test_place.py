@@ -85,6 +85,12 @@ def test_any_rank_order_keeps_tp_on_one_host(seed: int) -> None:
         assert len({topo.ranks[r].host for r in g}) == 1
     # dp pairs up two hosts, pp the other two: every axis group stays a set of whole ranks
     assert sorted(r for g in p.groups("pp") for r in g) == list(range(32))
+    for axis in ("dp_replicate", "pp"):
+        # each group joins one GPU of each of two hosts, on the same local rank (the same rail)
+        groups = p.groups(axis)
+        assert all(len({topo.ranks[r].host for r in g}) == 2 for g in groups)
+        assert all(len({topo.ranks[r].local_rank for r in g}) == 1 for g in groups)
+        assert len({frozenset(topo.ranks[r].host for r in g) for g in groups}) == 2
 
 
 def test_same_mapping_from_the_same_file(tmp_path) -> None:
