@@ -12,7 +12,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from topomesh.topology.model import Connection, Device, LinkKind, Nic, NicKind, Path
+from topomesh.topology.model import Connection, Device, DeviceKind, LinkKind, Nic, NicKind, Path
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +78,7 @@ def path_connection(path: Path | None, a: Device | None, d: LinkDefaults | None 
     """
     d = d or link_defaults()
     if path is None:
-        kind = LinkKind.SHM if a is None or a.kind.value == "CPU" else LinkKind.SYS
+        kind = LinkKind.SHM if a is None or a.kind is DeviceKind.CPU else LinkKind.SYS
         path = Path(a="?", b="?", kind=kind)
     kind = path.kind
     if kind.is_nvlink:
