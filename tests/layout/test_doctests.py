@@ -18,6 +18,7 @@ def test_docstring_examples(name: str) -> None:
     mod = importlib.import_module(f"topomesh.layout.{name}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+    assert result.attempted > 0, f"topomesh.layout.{name} has no docstring examples to check"
 
 
 def test_only_groups_module_creates_process_groups() -> None:

@@ -63,7 +63,17 @@ class Strategy(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Placement:
-    """A layout laid onto physical ranks: ``ranks[logical] = physical``."""
+    """A layout laid onto physical ranks: ``ranks[logical] = physical``.
+
+    With ``tp=2, pp=2`` (tp fastest) on ranks numbered round-robin over two hosts, rank
+    ``r`` on host ``r % 2``, the topology placement lists host 0's ranks first:
+
+    >>> p = Placement(layout=Layout(tp=2, pp=2), ranks=(0, 2, 1, 3), strategy=Strategy.TOPOLOGY)
+    >>> p.groups("tp"), p.groups("pp"), p.mesh().tolist()
+    ([[0, 2], [1, 3]], [[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    >>> p.logical_rank(2), {a.value: c for a, c in p.coords(2).items() if c}
+    (1, {'tp': 1})
+    """
 
     layout: Layout
     ranks: tuple[int, ...]
