@@ -161,7 +161,7 @@ def test_topology_path_is_checked_before_launch(tmp_path: Path, monkeypatch: pyt
     monkeypatch.chdir(tmp_path)
     opts = options_from_args(build_parser().parse_args(["--topology=given.json", "x.py"]))
     assert opts.mode is TopologyMode.FILE and opts.path == str(tmp_path / "given.json")  # absolute
-    with pytest.raises(TopologyError, match="bad.json: unrecognised content"):
+    with pytest.raises(TopologyError, match="^bad.json: "):
         options_from_args(build_parser().parse_args(["--topology=bad.json", "x.py"]))
     with pytest.raises(LaunchError, match="exactly when the topology mode is 'file'"):
         TopologyOptions(path=opts.path)
