@@ -291,6 +291,12 @@ def test_nvml_absent_never_crashes(monkeypatch):
     assert nvml.read_nvml() is None
     host = discover_host("/", use_nvml=True)
     assert all(d.kind is DeviceKind.CPU for d in host.devices) or host.gpus
+    # without NVML the GPUs are sysfs's NVIDIA display functions, in bus order, and no
+    # pair is NVLink (only NVML knows NVLink)
+    sysfs_gpus = sorted((p.bus_id for p in discover.read_pci("/").values() if p.is_nvidia_gpu), key=discover._bus_key)
+    assert [g.pci_bus_id for g in host.gpus] == sysfs_gpus
+    assert not any(p.kind.is_nvlink for p in host.paths)
+    assert [d.index for d in host.devices if d.kind is DeviceKind.CPU] == (sorted(discover.read_numa_nodes("/")) or [0])
 
 
 def test_nvml_library_missing_on_this_machine():
