@@ -19,13 +19,10 @@ import resource
 import statistics
 import time
 
+from topomesh.layout.dims import parse_degrees
 from topomesh.models.parallelize import make_parallelize
 from topomesh.models.presets import get_preset
 from topomesh.trace.tracer import trace_step, transformer_spec
-
-
-def _layout(text: str) -> dict[str, int]:
-    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
 
 def _bench_layout(spec, par, layout: dict[str, int], text: str, args: argparse.Namespace) -> None:  # noqa: ANN001
@@ -82,9 +79,9 @@ def main() -> None:
     print(f"{cfg.name}: hidden {cfg.hidden}, {cfg.n_layers} layers, seq {cfg.seq_len}, "
           f"batch {args.batch_size}, bf16; median of {args.repeats}")
     # warm-up: the first trace in a process pays for imports and dispatch caches
-    trace_step(spec, par, _layout(args.layouts[0]), n_layers=1, batch_size=args.batch_size)
+    trace_step(spec, par, parse_degrees(args.layouts[0]), n_layers=1, batch_size=args.batch_size)
     for text in args.layouts:
-        _bench_layout(spec, par, _layout(text), text, args)
+        _bench_layout(spec, par, parse_degrees(text), text, args)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  peak RSS {rss_mb:.0f} MB")
 
