@@ -13,6 +13,7 @@ all-gathers) is found by data flow and repeated with the block.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,10 +106,7 @@ class Trace:
 
     @property
     def world_size(self) -> int:
-        n = 1
-        for _, d in self.layout:
-            n *= d
-        return n
+        return math.prod(d for _, d in self.layout)
 
     def compose(self, n_layers: int) -> Trace:
         """This trace standing for the same model with ``n_layers`` identical blocks.
