@@ -125,6 +125,8 @@ def test_layout_validation_names_numbers() -> None:
         Layout.from_degrees({"xp": 2})
     with pytest.raises(LayoutError, match="'tp' appears twice"):
         Layout(order="tp-pp-tp")
+    with pytest.raises(LayoutError, match="'tp' appears twice"):
+        Layout(order=(Axis.TP,) * len(Axis))  # as long as a full order, but not every axis
     with pytest.raises(LayoutError, match="tp must be a positive integer degree, got 0"):
         Layout(tp=0)
     with pytest.raises(LayoutError, match="tp=3 does not divide the 32 attention heads"):

@@ -177,13 +177,7 @@ class Layout:
             d = getattr(self, axis.value)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise LayoutError(f"{axis.value} must be a positive integer degree, got {d!r}")
-        order = parse_order(self.order) if isinstance(self.order, str) else tuple(self.order)
-        if not all(isinstance(a, Axis) for a in order) or len(order) != len(Axis):
-            order = parse_order(order)
-        if len(set(order)) != len(order):
-            dup = sorted({a.value for a in order if order.count(a) > 1})
-            raise LayoutError(f"axes {dup} appear more than once in the order")
-        object.__setattr__(self, "order", order)
+        object.__setattr__(self, "order", parse_order(self.order))
 
     @classmethod
     def from_degrees(
