@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from topomesh.errors import TraceError
-from topomesh.trace.tracer import ModelSpec, fake_process_group, trace_step
+from topomesh.errors import LayoutError, TraceError
+from topomesh.trace.tracer import ModelSpec, fake_process_group, normalize_layout, trace_step
 
 
 @torch.library.custom_op("topomesh_test::mystery", mutates_args=())
@@ -81,10 +81,16 @@ def test_existing_process_group_is_not_clobbered() -> None:
 
 
 def test_bad_degree() -> None:
-    from topomesh.errors import LayoutError
-
     with pytest.raises(LayoutError, match="'tp' must be a positive integer, got 0"):
         trace_step(_spec(), None, {"tp": 0}, n_layers=1)
+
+
+def test_pipeline_axis_is_left_out_of_the_traced_mesh() -> None:
+    # a stage traces the same step on fewer layers: pp is no mesh dim; order is kept
+    assert normalize_layout({"pp": 4, "tp": 8, "dp_shard": 2}) == (("tp", 8), ("dp_shard", 2))
+    assert normalize_layout({"pp": 4}) == normalize_layout({}) == (("dp_shard", 1),)
+    with pytest.raises(LayoutError, match="'pp' must be a positive integer"):
+        normalize_layout({"pp": 0})
 
 
 def test_no_parameter_memory_is_allocated() -> None:
