@@ -201,11 +201,6 @@ class Layout:
         return int(getattr(self, Axis.parse(axis).value))
 
     @property
-    def degrees(self) -> dict[Axis, int]:
-        """Every axis's degree, in ``order`` (fastest first)."""
-        return {a: self.degree(a) for a in self.order}
-
-    @property
     def world_size(self) -> int:
         return math.prod(self.degree(a) for a in Axis)
 
