@@ -212,8 +212,8 @@ def train(args: argparse.Namespace, *, destroy: bool = True) -> dict[str, object
     degrees = {"pp": args.pp, "tp": args.tp}
     mesh = mesh_from_topology(degrees, device_type=args.device)
     if dist.get_rank() == 0:
-        placement = place_layout(degrees, world_size=dist.get_world_size())
         topo = job_topology(None, dist.get_world_size())
+        placement = place_layout(degrees, topology=topo, world_size=dist.get_world_size())
         for rep in axis_report(topo, placement):
             print(f"{rep.axis.value}={rep.degree}: groups {placement.groups(rep.axis)} cross {rep.kind.value} "
                   f"({rep.bottleneck_GBps:g} GB/s) [{topo.source}]", flush=True)
