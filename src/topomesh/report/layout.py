@@ -95,10 +95,10 @@ def placement_table(topo: Topology, placement: Placement) -> Table:
     table.add_column("devices")
     for axis in layout.mesh_axes:
         table.add_column(f"{axis.value} ({layout.degree(axis)})")
-    coords = {r: placement.coords(r) for r in range(topo.world_size)}
     by_host = _host_ranks(topo)
     for h in range(min(len(topo.hosts), MAX_HOST_ROWS)):
         ranks = by_host[h]
+        coords = {r: placement.coords(r) for r in ranks}
         width = max([len(str(r)) for r in ranks] + [1])
         devices = [topo.ranks[r].device or "-" for r in ranks]
         width = max([width] + [len(_short(d)) for d in devices])
