@@ -64,6 +64,14 @@ def test_report_api_is_reusable() -> None:
     console.print(render_layout(topo, lay))
     text = console.export_text()
     assert "tp=4" in text and "[0 1 2 3] [4 5 6 7]" in text
+    # placement table: per host its ranks, devices and each rank's pp, dp_shard and tp coordinate
+    rows = {
+        cells[1].strip(): [" ".join(c.split()) for c in cells[2:-1]]
+        for line in text.splitlines()
+        if len(cells := line.split("│")) == 8
+    }
+    assert rows["b"] == ["8 9 10 11 12 13 14 15", "0 1 2 3 4 5 6 7", "1 1 1 1 1 1 1 1", "0 0 0 0 1 1 1 1", "0 1 2 3 0 1 2 3"]
+    assert rows["a"][2:] == ["0 0 0 0 0 0 0 0", "0 0 0 0 1 1 1 1", "0 1 2 3 0 1 2 3"]
 
 
 def test_layout_spec_is_the_same_as_flags(capsys: pytest.CaptureFixture[str]) -> None:
