@@ -20,9 +20,8 @@ from pathlib import Path
 
 from topomesh.errors import TopomeshError
 
-# Subcommands in the order `topomesh --help` lists them; modules that are not present
-# (optional parts) are skipped.
-COMMANDS = ("discover", "show", "launch", "layout", "trace", "profile", "calibrate", "simulate", "plan")
+# Subcommands in the order `topomesh --help` lists them.
+COMMANDS = ("discover", "show", "launch", "layout", "trace", "profile", "calibrate")
 
 
 # `launch` takes torchrun's own arguments and lives with the launcher.
@@ -31,10 +30,6 @@ _MODULES = {"launch": "topomesh.launch.cli"}
 
 def _module(name: str) -> str:
     return _MODULES.get(name, f"topomesh.cli.{name}")
-
-
-def _available() -> list[str]:
-    return [c for c in COMMANDS if importlib.util.find_spec(_module(c)) is not None]
 
 
 def _help_line(name: str) -> str:
@@ -62,11 +57,11 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="topomesh",
-        description="Topology-aware distributed PyTorch: discover, launch, lay out, plan.",
+        description="Topology-aware distributed PyTorch: discover, launch, lay out, trace, cost.",
     )
     parser.add_argument("--version", action="version", version=f"topomesh {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _available():
+    for name in COMMANDS:
         help_line = _help_line(name)
         p = sub.add_parser(name, help=help_line, description=help_line)
         if name == selected and name not in _MODULES:
@@ -80,7 +75,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] == "launch" and importlib.util.find_spec("topomesh.launch.cli"):
+        if argv and argv[0] == "launch":
             from topomesh.launch.cli import main as launch_main
 
             return launch_main(argv[1:])
