@@ -20,6 +20,8 @@ def test_minus_one_takes_the_rest_of_the_world() -> None:
     assert resolve_layout(Layout(tp=2), 2).tp == 2
     with pytest.raises(LayoutError, match="do not divide|does not divide"):
         resolve_layout({"tp": 3, "dp_shard": -1}, 8)
+    with pytest.raises(LayoutError, match="degree of dp_replicate is given twice"):
+        resolve_layout({"dp": 2, "dp_replicate": 2}, 4)
 
 
 def test_topology_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,15 +45,16 @@ def resolve_layout(layout_or_degrees: Degrees, world_size: int, *, order: str | 
     if isinstance(layout_or_degrees, Layout):
         layout = layout_or_degrees
     else:
-        deg = {Axis.parse(k): int(v) for k, v in layout_or_degrees.items()}
-        free = [a for a, v in deg.items() if v == -1]
-        bad = {a.value: v for a, v in deg.items() if v < 1 and v != -1}
+        # keys stay as given, so Layout.from_degrees sees an axis named twice (dp, dp_replicate)
+        deg = {k: int(v) for k, v in layout_or_degrees.items()}
+        free = [k for k, v in deg.items() if v == -1]
+        bad = {Axis.parse(k).value: v for k, v in deg.items() if v < 1 and v != -1}
         if bad:
             raise LayoutError(f"degrees must be positive (or -1 for the rest of the world), got {bad}")
         if len(free) > 1:
-            raise LayoutError(f"only one degree may be -1, got {[a.value for a in free]}")
+            raise LayoutError(f"only one degree may be -1, got {[Axis.parse(k).value for k in free]}")
         if free:
-            known = math.prod(v for a, v in deg.items() if a not in free)
+            known = math.prod(v for k, v in deg.items() if k != free[0])
             if world_size % known:
                 raise LayoutError(f"the other degrees multiply to {known}, which does not divide the world of {world_size}")
             deg[free[0]] = world_size // known
