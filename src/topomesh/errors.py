@@ -42,3 +42,8 @@ class TraceError(TopomeshError, RuntimeError):
 
 class CalibrationError(TopomeshError, RuntimeError):
     """A collective calibration or an op-profile database is unusable."""
+
+
+class ModelConfigError(TopomeshError, ValueError):
+    """A model configuration is inconsistent (e.g. heads do not divide hidden) or a preset
+    is unknown."""

@@ -20,7 +20,8 @@ Published parameter totals (checked in ``tests/models/test_presets.py``) are in
 
 from __future__ import annotations
 
-from topomesh.models.transformer import Arch, ModelConfigError, TransformerConfig
+from topomesh.errors import ModelConfigError
+from topomesh.models.transformer import Arch, TransformerConfig
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int) -> TransformerConfig:

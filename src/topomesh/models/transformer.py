@@ -27,16 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from topomesh.errors import TopomeshError
+from topomesh.errors import ModelConfigError
 
 
 class Arch(StrEnum):
     GPT = "gpt"
     LLAMA = "llama"
-
-
-class ModelConfigError(TopomeshError, ValueError):
-    """A transformer configuration is inconsistent (e.g. heads do not divide hidden)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

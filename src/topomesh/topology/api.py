@@ -131,13 +131,14 @@ def dumps(topo: Topology, form: FileForm | str = FileForm.AUTO, *, dense_max_ran
     return rfc.dumps(topo) if form is FileForm.DENSE else compact.dumps(topo)
 
 
-def write_atomic(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
-    """Write ``text`` so readers see the old file or the new one, never a partial one."""
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o644) -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) so readers see the old file or the new one,
+    never a partial one."""
     p = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)

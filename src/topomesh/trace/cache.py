@@ -17,13 +17,13 @@ import functools
 import hashlib
 import os
 import pickle
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
 from topomesh.layout.dims import Axis
+from topomesh.topology.api import write_atomic
 from topomesh.trace.result import Trace
 from topomesh.trace.tracer import (
     ModelSpec,
@@ -140,11 +140,4 @@ class TraceCache:
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump((key, trace), f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, pickle.dumps((key, trace), protocol=pickle.HIGHEST_PROTOCOL))
