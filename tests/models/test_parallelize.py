@@ -59,11 +59,48 @@ def test_checkpointing_wraps_blocks() -> None:
             assert all(isinstance(b, CheckpointWrapper) for b in model.layers.values())
 
 
-def test_context_parallel_is_refused() -> None:
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])
+def test_context_parallel_wraps_attention_and_cuts_position_tables(preset: str) -> None:
+    import torch
+
+    cfg = get_preset(preset)
+    model = Transformer(cfg)  # real tensors: the cut tables are checked by value
+    tables = {n: getattr(model, n).clone() for n in ("rope_cos", "rope_sin", "positions") if getattr(model, n) is not None}
     with fake_process_group(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-        with pytest.raises(LayoutError, match="Context parallel degree 2"):
-            parallelize_transformer(_model("tiny-llama"), mesh)
+        parallelize_transformer(model, mesh)
+        assert all(b.attention.sdpa._forward_pre_hooks for b in model.layers.values())
+        assert isinstance(model, FSDPModule) and model.layers["0"].attention.wq.weight.device_mesh.mesh_dim_names == ("cp",)
+    # rank 0 of cp=2 keeps chunks 0 and 3 of 4 (head-tail), rows of every per-position table
+    quarter = cfg.seq_len // 4
+    keep = torch.cat((torch.arange(0, quarter), torch.arange(3 * quarter, 4 * quarter)))
+    assert tables and all(torch.equal(getattr(model, n), t[keep]) for n, t in tables.items())
+
+
+def test_cp_shard_needs_even_chunks_of_one_length() -> None:
+    import torch
+
+    from topomesh.models.parallelize import cp_shard
+
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        with pytest.raises(LayoutError, match=r"divisible by 2·2 = 4 .* it is 30"):
+            cp_shard(mesh, [torch.zeros(1, 30)], [1])
+        with pytest.raises(LayoutError, match=r"different sequence lengths \[8, 16\]"):
+            cp_shard(mesh, [torch.zeros(1, 16), torch.zeros(8)], [1, 0])
+        (tokens,) = cp_shard(mesh, [torch.arange(16).view(1, 16)], [1])
+        assert tokens.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+
+
+def test_fsdp_mesh_takes_cp_with_dp_shard_under_replicate() -> None:
+    from topomesh.models.parallelize import fsdp_mesh
+
+    with fake_process_group(16):
+        mesh = init_device_mesh("cpu", (2, 2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        hsdp = fsdp_mesh(mesh)
+        assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(hsdp.mesh.shape) == (2, 4)
+        assert fsdp_mesh(mesh["tp"]) is None
+        assert fsdp_mesh(mesh["cp"]).mesh_dim_names == ("cp",)
 
 
 def test_expert_degree_must_divide_experts() -> None:

@@ -36,13 +36,21 @@ def test_trace_table(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["trace", "gpt-9000"], "Unknown model preset 'gpt-9000'"),
         (["trace", "tiny-gpt", "--tp", "0"], "--tp must be at least 1, got 0"),
-        (["trace", "tiny-llama", "--cp", "2"], "Context parallel degree 2 is not supported"),
+        (["trace", "tiny-llama", "--cp", "3"], "Context parallel degree 3 needs a sequence length divisible by 2·3 = 6"),
     ],
 )
 def test_bad_input_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith("topomesh: error:")
+
+
+def test_trace_context_parallel(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "tiny-llama", "--cp", "2", "--dp-shard", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == {"dp_shard": 2, "cp": 2}
+    axes = {c["mesh_axis"] for c in out["collectives"]}
+    assert {"cp", "dp_shard+cp"} <= axes and not out["unknown_ops"]
 
 
 def test_layout_spec_equals_flags(capsys: pytest.CaptureFixture[str]) -> None:

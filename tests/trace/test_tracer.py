@@ -15,7 +15,7 @@ import pytest
 from topomesh.models.parallelize import Checkpointing, ParallelOptions, make_parallelize
 from topomesh.models.presets import get_preset
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase
-from topomesh.trace.result import Part, Trace
+from topomesh.trace.result import CollectiveStats, Part, Trace
 from topomesh.trace.tracer import trace_step, transformer_spec
 
 B = 2
@@ -101,6 +101,61 @@ def test_composed_equals_full_trace(traced: int) -> None:
     if traced == 1:  # FSDP's backward all-gather of the next block is carried as prefetch
         (bwd,) = [s for s in composed.segments if s.part is Part.BLOCK and s.phase is Phase.BACKWARD]
         assert [e.kind for e in bwd.prefetch if isinstance(e, CollectiveRecord)] == [CollectiveKind.ALL_GATHER]
+
+
+def _block_params(cfg) -> int:  # noqa: ANN001
+    h, kv = cfg.hidden, cfg.kv_heads * cfg.head_dim
+    return 2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_hidden + 2 * h  # wq wo, wk wv, MLP, 2 norms
+
+
+def test_context_parallel_ring_attention_by_hand() -> None:
+    """cp=2 without data parallel: PyTorch's ring attention, head-tail load balanced.
+
+    Each rank holds L = s/cp tokens (two chunks of s/2cp). Per block forward: one all-gather
+    of the concatenated k and v (GQA heads already repeated, 8 heads) — gathered output
+    2·b·heads·s·head_dim bf16 — and cp flash-attention calls, the first L×L, the others
+    half of q or of kv (L·L/2). Backward gathers k and v again and passes the fp32 key/value
+    gradients around the ring in cp all-to-alls of 2·b·heads·L·head_dim·4 bytes. The
+    weights are replicated over cp, so FSDP2 shards them over cp and reduce-scatters the
+    gradients there.
+    """
+    cp = 2
+    cfg = get_preset("tiny-llama")
+    heads, hd, s, h = cfg.n_heads, cfg.head_dim, cfg.seq_len, cfg.hidden
+    local = s // cp
+    t = _trace("tiny-llama", (("cp", cp),))
+    block = _block_params(cfg) * BF16
+    kv_gathered = 2 * B * heads * s * hd * BF16
+    dkv = 2 * B * heads * local * hd * 4
+    for b in _block_collectives(t, Phase.FORWARD):
+        assert b == sorted([("all_gather", block, "cp"), ("all_gather", kv_gathered, "cp")])
+    # the last block's backward (the first to run) also gathers its weights again
+    # (FSDP reshards after forward); the others' gathers run as prefetch in the block before
+    for b in _block_collectives(t, Phase.BACKWARD):
+        b = [c for c in b if c != ("all_gather", block, "cp")]
+        assert b == sorted([("all_gather", kv_gathered, "cp"), ("reduce_scatter", block, "cp")]
+                           + [("all_to_all", dkv, "cp")] * cp)
+    attn = [e for e in t.events() if isinstance(e, OpRecord) and e.op == "aten._scaled_dot_product_flash_attention.default"]
+    assert sorted(e.flops for e in attn) == sorted([4 * B * h * local * local, 4 * B * h * local * local // 2] * 2)
+    # every other matmul runs on the local L tokens: half the FLOPs of cp=1
+    mm = {lay: _trace("tiny-llama", lay).summary().op_flops["aten.mm.default"] for lay in ((("cp", cp),), (("dp_shard", 2),))}
+    assert mm[(("cp", cp),)] * cp == mm[(("dp_shard", 2),)]
+
+
+def test_context_parallel_with_tp_and_fsdp_composes() -> None:
+    """dp_shard × cp × tp: FSDP2 shards over dp_shard and cp flattened (torchtitan's
+    dp_shard_cp), ring attention stays on cp with tp's share of the heads, and one traced
+    block composes to the full model."""
+    layout = (("dp_shard", 2), ("cp", 2), ("tp", 2))
+    composed = _trace("tiny-llama", layout, layers=1).compose(2)
+    full = _trace("tiny-llama", layout, layers=2, split=False)
+    assert Counter(composed.events()) == Counter(full.events())
+    coll = composed.summary().collectives
+    assert coll[("reduce_scatter", "dp_shard+cp", "backward")].count == 3  # blocks + root
+    cfg = get_preset("tiny-llama")
+    kv_gathered = 2 * B * (cfg.n_heads // 2) * cfg.seq_len * cfg.head_dim * BF16
+    assert coll[("all_gather", "cp", "forward")] == CollectiveStats(count=2, bytes=2 * kv_gathered)
+    assert {e.group_size for e in composed.events() if isinstance(e, CollectiveRecord) and e.mesh_axis == "dp_shard+cp"} == {4}
 
 
 def test_composed_equals_full_trace_moe_expert_parallel() -> None:

@@ -10,21 +10,31 @@ and applies, in torchtitan's order:
    block forward without SP; all-gather + reduce-scatter around attention and MLP with SP);
 2. expert parallel on the ``ep`` axis for MoE blocks: expert weights ``Shard(0)`` and an
    all-to-all before and after the experts (:class:`ExpertParallel`);
-3. activation checkpointing, full (``checkpoint_wrapper`` per block) or selective
+3. context parallel on the ``cp`` axis (:func:`apply_cp`): PyTorch's module-wrapper form,
+   ``_ContextParallel`` on each block's ``attention.sdpa``, so attention runs as ring
+   attention over the sequence shards (key/value all-gather forward, all-to-all of their
+   gradients backward); the per-position tables are sharded like the tokens, in the
+   head-tail order of PyTorch's load balancer (:func:`cp_shard`), so causal work is even;
+4. activation checkpointing, full (``checkpoint_wrapper`` per block) or selective
    (``create_selective_checkpoint_contexts``: matmuls and attention saved, the rest recomputed);
-4. FSDP2 (``fully_shard``) on the ``dp_shard`` axis per block and at the root; with a
-   ``dp_replicate`` axis of size > 1 it is HSDP over the 2-D (replicate, shard) mesh.
+5. FSDP2 (``fully_shard``) per block and at the root over ``dp_shard`` and ``cp`` together
+   (context-parallel ranks hold the same weights, so their gradients are reduced with the
+   data-parallel ones: torchtitan's ``dp_shard_cp``); with a ``dp_replicate`` axis of size > 1
+   it is HSDP over the 2-D (replicate, shard) mesh.
 
-Context parallel (``cp``) is not applied here: PyTorch's ``context_parallel`` replaces only the
-CUDA attention kernels (``_scaled_dot_product_flash/efficient/cudnn_attention``), so a CPU
-trace cannot run it; :func:`parallelize_transformer` raises for ``cp > 1``. Pipeline
-parallel (``pp``) splits layers into stages outside this function (each stage is a
-``Transformer`` of fewer layers), so a ``pp`` axis is accepted and left alone.
+The training loop shards its inputs and labels with :func:`cp_shard` (the tracer does this for
+a :class:`~topomesh.trace.tracer.ModelSpec` that names its sequence dims). PyTorch's context
+parallel only has rules for the CUDA attention kernels
+(``_scaled_dot_product_flash/efficient/cudnn_attention``); on CPU the tracer records the CUDA
+flash kernel in place of the CPU one (:mod:`topomesh.trace.tracer`). Pipeline parallel
+(``pp``) splits layers into stages outside this function (each stage is a ``Transformer`` of
+fewer layers), so a ``pp`` axis is accepted and left alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
@@ -47,6 +57,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from topomesh.errors import LayoutError
+from topomesh.layout import groups
 from topomesh.layout.dims import Axis
 from topomesh.models.transformer import Arch, MoE, Transformer
 
@@ -84,12 +95,6 @@ def parallelize_transformer(
     ``TransformerBlock`` (what the tracer's block-at-a-time mode hands over).
     """
     options = options or ParallelOptions()
-    if _axis_size(mesh, Axis.CP) > 1:
-        raise LayoutError(
-            f"Context parallel degree {_axis_size(mesh, Axis.CP)} is not supported: "
-            "PyTorch's context_parallel only replaces CUDA attention kernels, which a CPU trace "
-            "cannot run."
-        )
     blocks = _blocks(model)
     tp = _axis_size(mesh, Axis.TP)
     if tp > 1 and isinstance(model, Transformer):
@@ -103,13 +108,15 @@ def parallelize_transformer(
         for block in blocks.values():
             if isinstance(block.feed_forward, MoE):
                 parallelize_module(block.feed_forward.experts, mesh[Axis.EP.value], ExpertParallel())
+    if _axis_size(mesh, Axis.CP) > 1:
+        apply_cp(model, blocks, mesh[Axis.CP.value])
     if options.checkpointing is not Checkpointing.NONE:
         apply_checkpointing(model, blocks, options.checkpointing)
         blocks = _blocks(model)
-    dp_axes = [a.value for a in (Axis.DP_REPLICATE, Axis.DP_SHARD) if _axis_size(mesh, a) > 1]
-    if dp_axes:
-        dp_mesh = mesh[tuple(dp_axes)] if len(dp_axes) > 1 else mesh[dp_axes[0]]
-        placement = partial(_fsdp_placement, shards=_axis_size(mesh, Axis.DP_SHARD))
+    dp_mesh = fsdp_mesh(mesh)
+    if dp_mesh is not None:
+        shards = _axis_size(mesh, Axis.DP_SHARD) * _axis_size(mesh, Axis.CP)
+        placement = partial(_fsdp_placement, shards=shards)
         for block in blocks.values():
             fully_shard(
                 block, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward,
@@ -118,6 +125,70 @@ def parallelize_transformer(
         if isinstance(model, Transformer):
             fully_shard(model, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward)
     return model
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over: ``dp_shard`` and ``cp`` flattened into ``dp_shard_cp``
+    when both are > 1, under ``dp_replicate`` (HSDP) when that is > 1; None when all are 1."""
+    names = list(mesh.mesh_dim_names or ())
+    shard = sorted((a.value for a in (Axis.DP_SHARD, Axis.CP) if _axis_size(mesh, a) > 1), key=names.index)
+    flat = groups.flatten(mesh, shard, "dp_shard_cp") if len(shard) > 1 else None
+    if _axis_size(mesh, Axis.DP_REPLICATE) > 1:
+        dims = (Axis.DP_REPLICATE.value, *(flat.mesh_dim_names if flat is not None else shard))
+        with warnings.catch_warnings():
+            # torch 2.13 warns that slicing a flattened dim from the root mesh will change,
+            # and has no other way to build this 2-D HSDP mesh (torchtitan slices it too)
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+            return mesh[dims]
+    if flat is not None:
+        return flat
+    return mesh[shard[0]] if shard else None
+
+
+def cp_shard(cp_mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]) -> list[torch.Tensor]:
+    """This rank's part of each buffer's sequence dim ``seq_dims[i]`` under context parallel.
+
+    The sequence is cut into ``2·cp`` chunks and rank ``r`` keeps chunks ``r`` and
+    ``2·cp-1-r`` (PyTorch's ``_HeadTailLoadBalancer``), so every rank has the same share of
+    causal attention. Inputs, labels and per-position tables must all be cut this way.
+    """
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+    )
+
+    if len(buffers) != len(seq_dims) or not buffers:
+        raise LayoutError(f"cp_shard needs one sequence dim per buffer: {len(buffers)} buffers, {len(seq_dims)} dims")
+    lengths = {b.shape[d] for b, d in zip(buffers, seq_dims, strict=True)}
+    cp = cp_mesh.size()
+    if len(lengths) != 1:
+        raise LayoutError(f"Context parallel buffers have different sequence lengths {sorted(lengths)}.")
+    (seq,) = lengths
+    if seq % (2 * cp):
+        raise LayoutError(
+            f"Context parallel degree {cp} needs a sequence length divisible by 2·{cp} = {2 * cp} "
+            f"(head-tail load balancing); it is {seq}."
+        )
+    balancer = _HeadTailLoadBalancer(seq, cp, buffers[0].device)
+    return list(_context_parallel_shard(cp_mesh, list(buffers), list(seq_dims), load_balancer=balancer))
+
+
+def apply_cp(model: nn.Module, blocks: dict[str, nn.Module], cp_mesh: DeviceMesh) -> None:
+    """Ring attention on ``cp_mesh`` for every block; per-position tables cut like the tokens."""
+    from torch.distributed.tensor.experimental._attention import (
+        _ContextParallel,
+        _enable_context_parallel_dispatcher,
+    )
+
+    style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
+    for block in blocks.values():
+        parallelize_module(block.attention.sdpa, cp_mesh, style)
+    if isinstance(model, Transformer):
+        names = [n for n in ("rope_cos", "rope_sin", "positions") if getattr(model, n) is not None]
+        for name, part in zip(names, cp_shard(cp_mesh, [getattr(model, n) for n in names], [0] * len(names)),
+                              strict=True):
+            model.register_buffer(name, part, persistent=False)
+    _enable_context_parallel_dispatcher()
 
 
 def _fsdp_placement(param: nn.Parameter, *, shards: int) -> Shard | None:

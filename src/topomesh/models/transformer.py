@@ -151,6 +151,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+class ScaledDotProductAttention(nn.Module):
+    """Causal ``F.scaled_dot_product_attention`` on (batch, heads, seq, head_dim) as a module
+    of its own, so context parallel (``_ContextParallel``) can wrap exactly this call."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -162,6 +170,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, kv, bias=bias)
         self.wv = nn.Linear(cfg.hidden, kv, bias=bias)
         self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=bias)
+        self.sdpa = ScaledDotProductAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         bs, seq, _ = x.shape
@@ -174,9 +183,7 @@ class Attention(nn.Module):
         if self.n_rep > 1:  # grouped-query attention: repeat each kv head n_rep times
             k = k.repeat_interleave(self.n_rep, dim=2)
             v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
@@ -280,12 +287,13 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
         self.output = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        if cfg.arch is Arch.LLAMA:
-            cos, sin = rope_tables(cfg)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        else:
-            self.rope_cos = self.rope_sin = None
+        # Per-position tables, indexed by the position of each row of the local sequence:
+        # context parallel shards them like the tokens (topomesh.models.parallelize.apply_cp).
+        cos, sin = rope_tables(cfg) if cfg.arch is Arch.LLAMA else (None, None)
+        positions = torch.arange(cfg.seq_len) if cfg.arch is Arch.GPT else None
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("positions", positions, persistent=False)
 
     def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.rope_cos is None else (self.rope_cos, self.rope_sin)
@@ -293,7 +301,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            h = h + self.pos_embeddings(self.positions[: tokens.shape[1]])
         rope = self.rope()
         for layer in self.layers.values():
             h = layer(h, rope)

@@ -17,6 +17,14 @@
 4. :mod:`topomesh.trace.convert` turns nodes into records; hooks placed during tracing cut
    the graph into phases (forward, backward, optimizer) and into block / rest segments.
 
+Context parallel (a ``cp`` axis > 1): the inputs and labels are cut along the sequence dims
+the :class:`ModelSpec` names (``seq_dims``), with
+:func:`~topomesh.models.parallelize.cp_shard`. PyTorch's ring attention only has rules for
+the CUDA attention kernels, and a CPU build cannot make fake CUDA tensors that survive
+backward, so during such a trace ``F.scaled_dot_product_attention`` on CPU tensors is issued
+as ``aten._scaled_dot_product_flash_attention`` — the kernel a GPU runs for it — whose fake
+(meta) kernel and FLOP formula work on any device (:class:`_CudaAttentionKernels`).
+
 Example (tiny model, TP 2 × FSDP 2)::
 
     spec = transformer_spec(get_preset("tiny-llama"))
@@ -84,6 +92,9 @@ class ModelSpec:
     """``make_inputs(batch_size)`` returns (forward args, labels) (called under fake mode)."""
     blocks: Callable[[nn.Module], list[nn.Module]] = layer_blocks
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss
+    seq_dims: tuple[int, ...] | None = None
+    """The sequence dim of each forward arg, then of the labels, for context parallel; None:
+    the inputs cannot be cut along a sequence, so a ``cp`` axis > 1 is refused."""
 
 
 def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -128,6 +139,44 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class _CudaAttentionKernels(torch.overrides.TorchFunctionMode):
+    """Issue causal/plain ``F.scaled_dot_product_attention`` on CPU tensors as the CUDA flash
+    kernel, ``aten._scaled_dot_product_flash_attention``, so PyTorch's context-parallel rules
+    (written for the CUDA kernels) apply in a CPU trace. Calls with a mask, dropout, GQA or
+    CUDA tensors pass through unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v, *rest = args
+            bound = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest, strict=False), **kwargs)
+            plain = bound.get("attn_mask") is None and not bound.get("dropout_p") and not bound.get("enable_gqa")
+            if plain and q.device.type == "cpu":
+                out = torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k, v, 0.0, bool(bound.get("is_causal", False)), scale=bound.get("scale")
+                )
+                return out[0]
+        return func(*args, **kwargs)
+
+
+def _cp_inputs(
+    spec: ModelSpec, mesh: torch.distributed.device_mesh.DeviceMesh,
+    inputs: tuple[torch.Tensor, ...], labels: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Inputs and labels cut along their sequence dims for context parallel."""
+    from topomesh.models.parallelize import cp_shard
+
+    buffers = [*inputs, labels]
+    if spec.seq_dims is None or len(spec.seq_dims) != len(buffers):
+        raise LayoutError(
+            f"Context parallel degree {mesh[Axis.CP.value].size()} needs the sequence dim of each of the "
+            f"{len(buffers)} inputs and labels of model {spec.name!r}; its ModelSpec gives "
+            f"seq_dims={spec.seq_dims}."
+        )
+    *cut, cut_labels = cp_shard(mesh[Axis.CP.value], buffers, spec.seq_dims)
+    return tuple(cut), cut_labels
 
 
 class _Markers:
@@ -236,9 +285,12 @@ def trace_step(
             markers.watch(block, i)
         optimizers = _optimizers(model, blocks, optimizer)
         step = _step_fn(spec, model, markers, optimizers)
+        cp = dict(axes).get(Axis.CP.value, 1) > 1
         try:
-            with fake:
+            with fake, (_CudaAttentionKernels() if cp else contextlib.nullcontext()):
                 inputs, labels = spec.make_inputs(batch_size)
+                if cp:
+                    inputs, labels = _cp_inputs(spec, mesh, inputs, labels)
                 if warm_up:
                     _warm_up(model, inputs, optimizers)
                 gm = make_fx(step)(inputs, labels)
@@ -433,4 +485,6 @@ def transformer_spec(cfg: TransformerConfig, *, seq_len: int | None = None) -> M
         return (tokens,), tokens
 
     key = repr(cfg)
-    return ModelSpec(name=cfg.name, key=key, n_layers=cfg.n_layers, build=build, make_inputs=make_inputs)
+    return ModelSpec(
+        name=cfg.name, key=key, n_layers=cfg.n_layers, build=build, make_inputs=make_inputs, seq_dims=(1, 1)
+    )
