@@ -6,8 +6,8 @@ Axis order does not change one rank's ops or group sizes, so ``{"tp": 8, "dp_sha
 and ``{"dp_shard": 4, "tp": 8}`` share a trace.
 
 :class:`TraceCache` keeps traces in a dict it owns and, when given a directory, in pickle
-files there (written atomically, keyed by a SHA-256 of the key and the torch version), so
-separate searches reuse them too. A deep model is traced with one block and composed
+files there (written atomically, keyed by a SHA-256 of the key, the torch version and
+:data:`TRACE_FORMAT`), so separate searches reuse them too. A deep model is traced with one block and composed
 (:meth:`~topomesh.trace.result.Trace.compose`).
 """
 
@@ -60,6 +60,12 @@ def callable_key(fn: Callable | None) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+TRACE_FORMAT = 2
+"""Part of every cache key; raised when the tracer or the built-in models change what a trace
+holds, so traces stored by an older topomesh are not reused (2: context parallel, attention
+as its own ``sdpa`` module, GPT positions as a buffer)."""
+
+
 class TraceCache:
     """Traces by (model key, parallelize key, layout class, batch size, dtype)."""
 
@@ -87,6 +93,7 @@ class TraceCache:
             str(dtype),
             callable_key(optimizer),
             torch.__version__,
+            f"format{TRACE_FORMAT}",
         )
         return "|".join(parts)
 
