@@ -7,8 +7,8 @@ and ``{"dp_shard": 4, "tp": 8}`` share a trace.
 
 :class:`TraceCache` keeps traces in a dict it owns and, when given a directory, in pickle
 files there (written atomically, keyed by a SHA-256 of the key, the torch version and
-:data:`TRACE_FORMAT`), so separate searches reuse them too. A deep model is traced with one block and composed
-(:meth:`~topomesh.trace.result.Trace.compose`).
+:data:`TRACE_FORMAT`), so separate searches reuse them too. A deep model is traced with one
+block and composed (:meth:`~topomesh.trace.result.Trace.compose`).
 """
 
 from __future__ import annotations
