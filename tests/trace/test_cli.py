@@ -36,6 +36,7 @@ def test_trace_table(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["trace", "gpt-9000"], "Unknown model preset 'gpt-9000'"),
         (["trace", "tiny-gpt", "--tp", "0"], "--tp must be at least 1, got 0"),
+        (["trace", "tiny-gpt", "--tp", "2", "--mixed-precision"], "Mixed precision (param_dtype/reduce_dtype) is applied by FSDP2"),
         (["trace", "tiny-llama", "--cp", "3"], "Context parallel degree 3 needs a sequence length divisible by 2·3 = 6"),
     ],
 )
@@ -51,6 +52,21 @@ def test_trace_context_parallel(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["layout"] == {"dp_shard": 2, "cp": 2}
     axes = {c["mesh_axis"] for c in out["collectives"]}
     assert {"cp", "dp_shard+cp"} <= axes and not out["unknown_ops"]
+
+
+def test_trace_mixed_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "tiny-gpt", "--dp-shard", "2", "--mixed-precision", "--json"]) == 0
+    mixed = json.loads(capsys.readouterr().out)
+    assert main(["trace", "tiny-gpt", "--dp-shard", "2", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert mixed["mixed_precision"] and not plain["mixed_precision"]
+
+    def rs(doc: dict) -> int:
+        return next(c["bytes"] for c in doc["collectives"] if c["kind"] == "reduce_scatter")
+
+    assert rs(mixed) == 2 * rs(plain)  # fp32 gradients instead of bf16
+    assert main(["trace", "tiny-gpt", "--dp-shard", "2", "--mixed-precision"]) == 0
+    assert "bfloat16 over float32 master weights" in " ".join(capsys.readouterr().out.split())
 
 
 def test_layout_spec_equals_flags(capsys: pytest.CaptureFixture[str]) -> None:

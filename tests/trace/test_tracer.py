@@ -158,6 +158,26 @@ def test_context_parallel_with_tp_and_fsdp_composes() -> None:
     assert {e.group_size for e in composed.events() if isinstance(e, CollectiveRecord) and e.mesh_axis == "dp_shard+cp"} == {4}
 
 
+def test_mixed_precision_gathers_bf16_reduces_fp32_updates_fp32() -> None:
+    """FSDP2 MixedPrecisionPolicy over fp32 master weights: all-gathers move bf16 parameters,
+    reduce-scatters fp32 gradients, matmuls run in bf16 and AdamW updates fp32 shards."""
+    import torch
+
+    cfg = get_preset("tiny-gpt")
+    spec = transformer_spec(cfg)
+    opts = ParallelOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    t = trace_step(spec, make_parallelize(opts), {"dp_shard": 2}, n_layers=cfg.n_layers, batch_size=B,
+                   dtype=torch.float32)
+    coll = t.summary().collectives
+    params = cfg.total_params()
+    assert coll[("all_gather", "dp_shard", "forward")].bytes == params * BF16
+    assert coll[("reduce_scatter", "dp_shard", "backward")].bytes == params * 4
+    ops = [e for e in t.events() if isinstance(e, OpRecord)]
+    assert {e.inputs[0].dtype for e in ops if e.op == "aten.mm.default"} == {"bfloat16"}
+    steps = [e for e in ops if e.phase is Phase.OPTIMIZER and e.op == "aten.addcdiv_.default"]
+    assert steps and {e.inputs[0].dtype for e in steps} == {"float32"}
+
+
 def test_composed_equals_full_trace_moe_expert_parallel() -> None:
     layout = (("dp_shard", 2), ("ep", 2))
     composed = _trace("tiny-moe", layout, layers=1).compose(3)

@@ -40,7 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the degrees as one spec, e.g. tp=8,dp_shard=8 (same as the flags)")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the preset's)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                   help="compute dtype (and the parameters' dtype without --mixed-precision)")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="FSDP2 mixed precision: float32 master weights and optimizer, parameters "
+                        "gathered in --dtype, gradients reduced in float32 (needs a dp/cp axis)")
     p.add_argument("--no-sp", action="store_true", help="tensor parallel without sequence parallel")
     p.add_argument("--checkpointing", choices=[c.value for c in Checkpointing], default="none")
     p.add_argument("--no-optimizer", action="store_true", help="trace forward and backward only")
@@ -68,14 +72,18 @@ def run(args: argparse.Namespace) -> int:
     for a, d in layout.items():
         if d < 1:
             raise LayoutError(f"--{a.replace('_', '-')} must be at least 1, got {d}.")
-    options = ParallelOptions(sequence_parallel=not args.no_sp, checkpointing=Checkpointing(args.checkpointing))
+    compute = _DTYPES[args.dtype]
+    mixed = {"param_dtype": compute, "reduce_dtype": torch.float32} if args.mixed_precision else {}
+    options = ParallelOptions(sequence_parallel=not args.no_sp, checkpointing=Checkpointing(args.checkpointing),
+                              **mixed)
     spec = transformer_spec(cfg)
     traced = cfg.n_layers if args.full else 1
     err = Console(stderr=True)
     with err.status(f"tracing {cfg.name} ({traced} of {cfg.n_layers} blocks) under {layout or 'one rank'}"):
         trace = trace_step(
             spec, make_parallelize(options), layout, n_layers=traced, batch_size=args.batch_size,
-            dtype=_DTYPES[args.dtype], optimizer=None if args.no_optimizer else default_optimizer,
+            dtype=torch.float32 if args.mixed_precision else compute,
+            optimizer=None if args.no_optimizer else default_optimizer,
             split_blocks=not args.full,
         )
     if not args.full and cfg.n_layers > traced:
@@ -90,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "seq_len": cfg.seq_len,
         "dtype": args.dtype,
+        "mixed_precision": args.mixed_precision,
         "n_layers": trace.n_layers,
         "traced_layers": trace.traced_layers,
         "trace_s": round(trace.trace_s, 4),
@@ -123,7 +132,8 @@ def _print(doc: dict) -> None:
     out = Console()
     out.print(
         f"[bold]{doc['model']}[/] layout {doc['layout'] or '{}'} (pp {doc['pp']}, world {doc['world_size']}), "
-        f"batch {doc['batch_size']} × seq {doc['seq_len']}, {doc['dtype']}, "
+        f"batch {doc['batch_size']} × seq {doc['seq_len']}, {doc['dtype']}"
+        f"{' over float32 master weights' if doc['mixed_precision'] else ''}, "
         f"{doc['n_layers']} layers from {doc['traced_layers']} traced; one rank, one step"
     )
     t = Table(title="FLOPs (local shapes)")

@@ -20,7 +20,8 @@ and applies, in torchtitan's order:
 5. FSDP2 (``fully_shard``) per block and at the root over ``dp_shard`` and ``cp`` together
    (context-parallel ranks hold the same weights, so their gradients are reduced with the
    data-parallel ones: torchtitan's ``dp_shard_cp``); with a ``dp_replicate`` axis of size > 1
-   it is HSDP over the 2-D (replicate, shard) mesh.
+   it is HSDP over the 2-D (replicate, shard) mesh; ``param_dtype``/``reduce_dtype`` give
+   FSDP2's ``MixedPrecisionPolicy`` (e.g. fp32 master weights, bf16 compute, fp32 reduction).
 
 The training loop shards its inputs and labels with :func:`cp_shard` (the tracer does this for
 a :class:`~topomesh.trace.tracer.ModelSpec` that names its sequence dims). PyTorch's context
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -79,6 +80,11 @@ class ParallelOptions:
     checkpointing: Checkpointing = Checkpointing.NONE
     reshard_after_forward: bool = True
     """FSDP2: free unsharded block parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+    param_dtype: torch.dtype | None = None
+    """FSDP2 mixed precision: parameters are gathered and used in this dtype while the sharded
+    master copy (and the optimizer) keep the model's dtype, e.g. bf16 over fp32 masters."""
+    reduce_dtype: torch.dtype | None = None
+    """FSDP2 mixed precision: the dtype gradients are reduce-scattered / all-reduced in."""
 
 
 def _axis_size(mesh: DeviceMesh, axis: Axis) -> int:
@@ -114,16 +120,23 @@ def parallelize_transformer(
         apply_checkpointing(model, blocks, options.checkpointing)
         blocks = _blocks(model)
     dp_mesh = fsdp_mesh(mesh)
+    mixed = options.param_dtype is not None or options.reduce_dtype is not None
+    if mixed and dp_mesh is None:
+        raise LayoutError(
+            "Mixed precision (param_dtype/reduce_dtype) is applied by FSDP2, but the mesh has no "
+            "dp_shard, dp_replicate or cp axis > 1; build the model in the compute dtype instead."
+        )
     if dp_mesh is not None:
+        mp = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
         shards = _axis_size(mesh, Axis.DP_SHARD) * _axis_size(mesh, Axis.CP)
         placement = partial(_fsdp_placement, shards=shards)
         for block in blocks.values():
             fully_shard(
                 block, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward,
-                shard_placement_fn=placement,
+                shard_placement_fn=placement, mp_policy=mp,
             )
         if isinstance(model, Transformer):
-            fully_shard(model, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward)
+            fully_shard(model, mesh=dp_mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
     return model
 
 
