@@ -29,6 +29,7 @@ from topomesh.trace.graph import OpRecord, Phase, TensorMeta
 
 A = TensorMeta(shape=(64, 64), dtype="float32", stride=(64, 1))
 AT = TensorMeta(shape=(64, 64), dtype="float32", stride=(1, 64))
+SCALAR = TensorMeta(shape=(), dtype="float32", stride=())
 MM = OpRecord(op="aten.mm.default", inputs=(A, A), outputs=(A,), flops=2 * 64**3)
 
 
@@ -70,6 +71,11 @@ def test_small_mm_is_timed_for_real():
          + (TensorMeta(shape=(64,), dtype="float32", stride=(1,)),), ((64,), 1e-5)),
         ("aten.native_layer_norm.default", (A, TensorMeta(shape=(64,), dtype="float32", stride=(1,))),
          ((64,), None, 1e-5)),
+        # an optional tensor left out before a later tensor parameter (total_weight)
+        ("aten.nll_loss_backward.default",
+         (SCALAR, A, TensorMeta(shape=(64,), dtype="int64", stride=(1,)), SCALAR), (None, 1, -100)),
+        # dtypes are recorded as strings
+        ("aten._log_softmax_backward_data.default", (A, A), (1, "torch.float32")),
     ],
 )
 def test_scalar_args_are_passed_by_schema(op, inputs, args):

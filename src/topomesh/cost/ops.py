@@ -206,6 +206,28 @@ def make_tensor(meta: TensorMeta, device: str) -> Any:
     return torch.as_strided(flat, meta.shape, meta.stride)
 
 
+def _decode(value: Any) -> Any:
+    """A recorded argument back as torch takes it: the tracer records dtypes, layouts and
+    memory formats as strings (``"torch.float32"``)."""
+    import torch
+
+    if isinstance(value, str) and value.startswith("torch."):
+        obj = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return obj
+    return value
+
+
+def _required_tensors(arguments: Sequence[Any]) -> int:
+    """How many input tensors the positional, non-optional tensor parameters of ``arguments`` take."""
+    import torch
+
+    return sum(
+        1 for a in arguments
+        if not a.kwarg_only and isinstance(a.type, torch._C.TensorType)
+    )
+
+
 def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
     """Positional and keyword arguments in schema order: tensors where the schema takes
     tensors, ``args`` elsewhere; tensors left over fill keyword-only tensor parameters
@@ -213,8 +235,10 @@ def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> tup
 
     ``args`` are the node's non-tensor positional arguments in order, as the tracer records
     them (a tensor list shows up there as a tuple of ``None`` placeholders, one per tensor).
-    Ambiguous schemas (an optional tensor given as None before another tensor) may be
-    filled wrongly; the op then fails and is priced by the roofline.
+    An optional tensor recorded as None before later tensor parameters (``nll_loss_backward``'s
+    ``weight`` before ``total_weight``) is told apart by counting the tensors those later
+    parameters need; dtypes come back from their recorded strings. A schema this still fills
+    wrongly makes the op fail, and it is priced by the roofline.
     """
     import torch
 
@@ -226,9 +250,10 @@ def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> tup
 
     out: list[Any] = []
     kwargs: dict[str, Any] = {}
-    tensors, args = list(tensors), list(args)
+    tensors, args = list(tensors), [_decode(a) for a in args]
     positional = True
-    for arg in op._schema.arguments:
+    schema = list(op._schema.arguments)
+    for i, arg in enumerate(schema):
         typ = elem(arg.type)
         if arg.kwarg_only:
             positional = False
@@ -246,7 +271,11 @@ def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> tup
             out.append(tensors[:take])
             tensors = tensors[take:]
         elif isinstance(typ, torch._C.TensorType) and tensors:
-            out.append(tensors.pop(0))
+            optional = isinstance(arg.type, torch._C.OptionalType)
+            if optional and args and args[0] is None and len(tensors) <= _required_tensors(schema[i + 1:]):
+                out.append(args.pop(0))  # given as None: the tensors left belong to later parameters
+            else:
+                out.append(tensors.pop(0))
         elif args:
             out.append(args.pop(0))
         elif isinstance(typ, torch._C.TensorType) and isinstance(arg.type, torch._C.OptionalType):
