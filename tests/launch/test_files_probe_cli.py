@@ -69,8 +69,8 @@ def test_open_or_linked_directories_are_refused(tmp_path: Path) -> None:
 def test_probe_measures_loopback() -> None:
     with probe.ProbeServer("127.0.0.1") as server:
         got = probe.measure(server.address, budget_s=1.0)
-    assert 0 < got.latency_us < 50_000
-    assert got.bandwidth_GBps > 0.01
+    assert 0 < got.latency_us < 100_000  # sanity bounds: CI machines may be loaded
+    assert got.bandwidth_GBps > 0.001
     assert not socketserver.ThreadingTCPServer.allow_reuse_address  # no process-wide side effect
 
 

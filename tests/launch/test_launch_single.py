@@ -108,5 +108,6 @@ def test_probe_marks_cross_node_links_measured(agents: Agents) -> None:
     topo = read_source(reports[0]["file"])
     c = topo.connection(0, 1)
     assert c.measured and c.kind.value == "NIC"
-    assert 0 < c.latency_us < 10_000 and c.bandwidth_GBps > 0.01  # loopback TCP
+    # loopback TCP; sanity bounds only, since CI machines may be loaded
+    assert 0 < c.latency_us < 100_000 and c.bandwidth_GBps > 0.001
     assert not topo.connection(0, 0).measured
