@@ -156,6 +156,9 @@ def test_context_parallel_with_tp_and_fsdp_composes() -> None:
     kv_gathered = 2 * B * (cfg.n_heads // 2) * cfg.seq_len * cfg.head_dim * BF16
     assert coll[("all_gather", "cp", "forward")] == CollectiveStats(count=2, bytes=2 * kv_gathered)
     assert {e.group_size for e in composed.events() if isinstance(e, CollectiveRecord) and e.mesh_axis == "dp_shard+cp"} == {4}
+    # another order of the same axes gives the same labels: the trace cache shares them
+    other = _trace("tiny-llama", (("tp", 2), ("cp", 2), ("dp_shard", 2)), layers=1).compose(2)
+    assert other.summary().collectives == coll
 
 
 def test_mixed_precision_gathers_bf16_reduces_fp32_updates_fp32() -> None:

@@ -187,7 +187,10 @@ def cp_shard(cp_mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Seq
 
 
 def apply_cp(model: nn.Module, blocks: dict[str, nn.Module], cp_mesh: DeviceMesh) -> None:
-    """Ring attention on ``cp_mesh`` for every block; per-position tables cut like the tokens."""
+    """Ring attention on ``cp_mesh`` for every block; per-position tables cut like the tokens.
+
+    Turns on PyTorch's context-parallel DTensor dispatcher for the process, as torchtitan does;
+    it only acts on attention ops whose inputs are DTensors sharded on the sequence."""
     from torch.distributed.tensor.experimental._attention import (
         _ContextParallel,
         _enable_context_parallel_dispatcher,

@@ -26,6 +26,7 @@ from enum import StrEnum
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from topomesh.layout.dims import Axis
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase, TensorMeta
 
 _SKIP = {
@@ -265,7 +266,8 @@ class GroupTable:
 
     Groups of a mesh dimension are named after it. Any other group (a flattened or
     concatenated mesh a parallelize function builds, e.g. ``dp_shard`` × ``cp``) is placed by
-    its ranks: the mesh axes along which its members' coordinates vary, joined by ``+``.
+    its ranks: the mesh axes along which its members' coordinates vary, joined by ``+`` in
+    :class:`~topomesh.layout.dims.Axis` order (``dp_shard+cp`` whatever the mesh's order).
     """
 
     def __init__(self, mesh: torch.distributed.device_mesh.DeviceMesh) -> None:
@@ -306,6 +308,10 @@ class GroupTable:
                 flat //= dim
             coords.append(tuple(reversed(c)))
         varying = [n for d, n in enumerate(self._names) if len({c[d] for c in coords}) > 1]
+        # in the canonical axis order, so the label does not depend on the order the layout
+        # gave (traces are shared by every order of one layout class)
+        canonical = [a.value for a in Axis]
+        varying.sort(key=lambda n: canonical.index(n) if n in canonical else len(canonical))
         return GroupInfo(size=pg.size(), mesh_axis="+".join(varying) or None)
 
 
