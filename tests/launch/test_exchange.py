@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import zlib
@@ -60,6 +61,11 @@ def test_node_roundtrip_and_real_host_size(dgx: Host) -> None:
         (lambda d: json.dumps({**d, "restart_count": "1"}).encode(), "restart_count must be an integer"),
         (lambda d: json.dumps({**d, "hostname": ""}).encode(), "hostname must be a non-empty string"),
         (lambda d: json.dumps({**d, "host_class": "0" * 32}).encode(), "which nobody published"),
+        (lambda d: json.dumps({**d, "local_measured": [["GPU0", "GPU9", 5.0, 100.0]]}).encode(), "no device 'GPU9'"),
+        (lambda d: json.dumps({**d, "local_measured": [["GPU0", "GPU1", 5.0, -1.0]]}).encode(),
+         "impossible local_measured row"),
+        (lambda d: json.dumps({**d, "local_measured": [["GPU0", 5.0]]}).encode(), "is not [device_a, device_b"),
+        (lambda d: json.dumps({**d, "local_measured": {}}).encode(), "local_measured must be a list"),
     ],
 )
 def test_bad_node_entries_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
@@ -132,6 +138,16 @@ def test_world_rejects_rank_gaps_and_bombs(dgx: Host) -> None:
     bomb = zlib.compress(b" " * (1 << 20))
     with pytest.raises(LaunchError, match="larger than 1000 bytes"):
         ex.decode_world(bomb, max_bytes=1000)
+
+
+def test_local_probe_rows_travel_from_entry_to_world(dgx: Host) -> None:
+    rows = (("GPU0", "GPU1", 12.5, 150.0),)
+    entry = dataclasses.replace(_entry(dgx, 1), local_measured=rows)
+    assert ex.decode_node(ex.encode_node(entry), group_rank=1, classes=_classes(dgx)) == entry
+    world = ex.decode_world(ex.assemble_world([_entry(dgx, 0), entry]))
+    assert world.local_measured == {1: rows}
+    # nodes without local rows publish the same bytes as before the field existed
+    assert b"local_measured" not in ex.encode_node(_entry(dgx, 0))
 
 
 def test_world_document_carries_probe_results_and_is_checked(dgx: Host) -> None:

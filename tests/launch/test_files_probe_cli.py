@@ -13,7 +13,7 @@ import pytest
 
 from tests.launch.conftest import SYSFS
 from topomesh.errors import LaunchError, TopologyError
-from topomesh.launch import files, local, probe
+from topomesh.launch import files, local, localprobe, probe
 from topomesh.launch.exchange import digest
 from topomesh.topology.build import build_topology, default_placement
 from topomesh.topology.discover import discover_host
@@ -89,6 +89,47 @@ def test_measured_overrides_keep_kind_per_rail() -> None:
     assert sorted(out) == [(0, 2), (1, 2)]
     assert {c.kind.value for c in out.values()} == {"NIC"}  # IB to Ethernet is Ethernet
     assert all(c.measured and c.latency_us == 20.0 and c.bandwidth_GBps == 3.0 for c in out.values())
+
+
+def test_local_rows_override_one_node_and_keep_the_path_kind() -> None:
+    dgx = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
+    pcie = discover_host(SYSFS / "pcie-4gpu-2numa")
+    ranks = default_placement([dgx, pcie], [3, 2])
+    before = build_topology([dgx, pcie], ranks)
+    out = probe.measured_overrides([dgx, pcie], ranks, {}, {0: [("GPU1", "GPU0", 9.0, 300.0)], 1: [("GPU0", "GPU1", 7.0, 20.0)]})
+    assert sorted(out) == [(0, 1), (3, 4)]  # GPU0-GPU1 on each node; GPU2 pairs keep defaults
+    for (a, b), c in out.items():
+        default = before.connection(a, b)
+        assert c.measured and (c.kind, c.channels) == (default.kind, default.channels)
+    assert (out[(0, 1)].kind.value, out[(0, 1)].bandwidth_GBps) == ("NVSwitch", 300.0)
+    assert (out[(3, 4)].latency_us, out[(3, 4)].bandwidth_GBps) == (7.0, 20.0)
+    topo = build_topology([dgx, pcie], ranks, measured=out)
+    assert topo.connection(0, 1).measured and not topo.connection(0, 2).measured
+
+
+def test_local_probe_measures_shm_and_refuses_what_it_cannot_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = discover_host(SYSFS / "cpu-only")
+    (shm,) = localprobe.measure_local(cpu, ["CPU0", "CPU0"], budget_s=0.5)
+    assert (shm.device_a, shm.device_b) == ("CPU0", "CPU0") and shm.latency_us > 0 and shm.bandwidth_GBps > 0
+    assert localprobe.measure_local(cpu, ["CPU0"], budget_s=0.5) == []  # one worker: nothing to measure
+    dgx = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    with pytest.raises(LaunchError, match="CUDA_VISIBLE_DEVICES is set"):
+        localprobe.measure_local(dgx, ["GPU0", "GPU1"], budget_s=0.5)
+    with pytest.raises(LaunchError, match="impossible row"):
+        localprobe.parse_rows(b'[["GPU0", "GPU1", 0, 5]]', {"GPU0", "GPU1"})
+    with pytest.raises(LaunchError, match="impossible row"):
+        localprobe.parse_rows(b'[["GPU0", "GPU7", 1, 5]]', {"GPU0", "GPU1"})
+    with pytest.raises(LaunchError, match="unreadable"):
+        localprobe.parse_rows(b"nope", {"GPU0"})
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA failure path")
+def test_local_gpu_probe_without_cuda_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    dgx = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
+    with pytest.raises(LaunchError, match="the local GPU probe failed"):
+        localprobe.measure_local(dgx, ["GPU0", "GPU1"], budget_s=0.5)
 
 
 def test_local_devices_follow_cuda_visible_devices() -> None:

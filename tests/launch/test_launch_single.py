@@ -111,3 +111,18 @@ def test_probe_marks_cross_node_links_measured(agents: Agents) -> None:
     # loopback TCP; sanity bounds only, since CI machines may be loaded
     assert 0 < c.latency_us < 100_000 and c.bandwidth_GBps > 0.001
     assert not topo.connection(0, 0).measured
+
+
+def test_probe_measures_shared_memory_inside_a_node(agents: Agents) -> None:
+    """Two CPU workers on one socket: the local probe measures their SHM link (one node,
+    so there is no peer to probe; the local measurement still happens)."""
+    a = agents.start("a", ["--standalone", "--nproc-per-node=2", "--topology-probe", "--topology-probe-budget=1",
+                           f"--topology-dir={agents.tmp / 't'}"], sysfs="cpu-only")
+    assert agents.wait(a) == 0, agents.log(a)[-3000:]
+    reports = agents.reports()
+    assert len(reports) == 2 and len({r["bytes"] for r in reports}) == 1
+    topo = read_source(reports[0]["file"])
+    c = topo.connection(0, 1)
+    assert c.measured and c.kind.value == "SHM"
+    assert 0 < c.latency_us < 100_000 and c.bandwidth_GBps > 0.01  # sanity bounds (loaded CI machines)
+    assert not topo.connection(0, 0).measured

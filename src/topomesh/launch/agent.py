@@ -31,7 +31,7 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, Worke
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from topomesh.errors import LaunchError
-from topomesh.launch import exchange, probe
+from topomesh.launch import exchange, localprobe, probe
 from topomesh.launch.files import run_directory, write_topology_file
 from topomesh.launch.local import discover_local_host, local_devices, visible_devices
 from topomesh.topology import api
@@ -107,6 +107,7 @@ class TopologyAgent(LocalElasticAgent):
         self._topology = topology
         self._topology_file: str | None = None  # this round's WORLD_TOPOLOGY_FILE
         self._host: Host | None = None
+        self._local_probes: dict[tuple[str | None, ...], tuple[tuple[str, str, float, float], ...]] = {}
         self._rounds = 0
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -157,6 +158,7 @@ class TopologyAgent(LocalElasticAgent):
             host=host,
             workers=slots,
             restart_count=spec.max_restarts - self._remaining_restarts,
+            local_measured=self._probe_local(host, [s.device for s in slots]) if self._topology.probe else (),
         )
         if self._topology.probe and wg.group_world_size > 1:
             with contextlib.ExitStack() as stack:
@@ -175,7 +177,7 @@ class TopologyAgent(LocalElasticAgent):
         mine = sorted((r.rank, r.local_rank) for r in world.ranks if r.host == wg.group_rank)
         if mine != sorted((w.global_rank, w.local_rank) for w in wg.workers):
             raise LaunchError(f"the world document places other ranks on node {wg.group_rank} than torchrun did")
-        measured = probe.measured_overrides(world.hosts, world.ranks, world.measured)
+        measured = probe.measured_overrides(world.hosts, world.ranks, world.measured, world.local_measured)
         topo = build_topology(
             world.hosts,
             world.ranks,
@@ -186,6 +188,18 @@ class TopologyAgent(LocalElasticAgent):
         )
         text = api.dumps(topo, self._topology.form)
         return write_topology_file(run_directory(run_id, self._topology.directory), text, world.restart_count)
+
+    def _probe_local(self, host: Host, devices: list[str | None]) -> tuple[tuple[str, str, float, float], ...]:
+        """Measured links between this node's devices; once per set of devices (rounds reuse it)."""
+        key = tuple(devices)
+        if key not in self._local_probes:
+            try:
+                got = localprobe.measure_local(host, devices, budget_s=self._topology.probe_budget_s)
+                self._local_probes[key] = tuple((r.device_a, r.device_b, r.latency_us, r.bandwidth_GBps) for r in got)
+            except (LaunchError, OSError) as exc:
+                log.warning("topomesh: local probe failed, keeping default link values inside this node: %s", exc)
+                self._local_probes[key] = ()
+        return self._local_probes[key]
 
     def _probe_next(self, store: Any, ns: str, wg: WorkerGroup) -> None:
         """Measure node ``group_rank + 1`` (mod n) and publish the result (or the failure)."""

@@ -69,6 +69,9 @@ class NodeEntry:
     """This agent's restart count (torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
     probe_addr: str | None = None
     """``host:port`` of this node's probe server, when probing."""
+    local_measured: tuple[tuple[str, str, float, float], ...] = ()
+    """Measured links between this node's devices, when probing: rows ``(device_a,
+    device_b, latency_us, bandwidth_GBps)`` (:mod:`topomesh.launch.localprobe`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +88,8 @@ class World:
     measured: Mapping[tuple[int, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
     """Probe results by node pair ``(a, b)``, ``a < b``: ``(latency_us, bandwidth_GBps)``
     (see :mod:`topomesh.launch.probe`)."""
+    local_measured: Mapping[int, tuple[tuple[str, str, float, float], ...]] = dataclasses.field(default_factory=dict)
+    """Measured links between the devices of one node, by node (see ``NodeEntry``)."""
 
 
 def node_key(ns: str, group_rank: int) -> str:
@@ -129,6 +134,8 @@ def encode_node(entry: NodeEntry) -> bytes:
         "restart_count": entry.restart_count,
         "probe_addr": entry.probe_addr,
     }
+    if entry.local_measured:
+        doc["local_measured"] = [list(r) for r in entry.local_measured]
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -239,11 +246,29 @@ def decode_node(
             workers=tuple(workers),
             restart_count=_int(doc.get("restart_count"), "restart_count"),
             probe_addr=probe,
+            local_measured=_local_rows(doc.get("local_measured", []), host),
         )
     except TopologyError as exc:
         raise _node_error(group_rank, exc.reason) from None
     except (ValueError, TypeError) as exc:
         raise _node_error(group_rank, str(exc)) from None
+
+
+def _local_rows(raw: Any, host: Host) -> tuple[tuple[str, str, float, float], ...]:
+    """Validated local probe rows: devices of ``host``, finite positive figures."""
+    if not isinstance(raw, list):
+        raise ValueError("local_measured must be a list")
+    rows = []
+    for row in raw:
+        if not isinstance(row, list) or len(row) != 4 or not all(isinstance(d, str) for d in row[:2]):
+            raise ValueError(f"local_measured row {row!r} is not [device_a, device_b, latency_us, bandwidth_GBps]")
+        a, b = row[0], row[1]
+        host.device(a), host.device(b)
+        lat, bw = float(row[2]), float(row[3])
+        if not (0 < lat < 1e9 and 0 < bw < 1e6):
+            raise ValueError(f"impossible local_measured row {row!r}")
+        rows.append((a, b, lat, bw))
+    return tuple(rows)
 
 
 def _host_class(host: Host) -> dict[str, Any]:
@@ -282,13 +307,14 @@ def assemble_world(entries: Sequence[NodeEntry], measured: Sequence[Sequence[Any
         if key not in index:
             index[key] = len(classes)
             classes.append(_host_class(e.host))
-        nodes.append(
-            {
-                "hostname": name,
-                "class": index[key],
-                "workers": [[w.global_rank, w.local_rank, w.device] for w in e.workers],
-            }
-        )
+        node: dict[str, Any] = {
+            "hostname": name,
+            "class": index[key],
+            "workers": [[w.global_rank, w.local_rank, w.device] for w in e.workers],
+        }
+        if e.local_measured:
+            node["local_measured"] = [list(r) for r in e.local_measured]
+        nodes.append(node)
     doc = {
         "format": WORLD_FORMAT,
         "restart_count": max((e.restart_count for e in entries), default=0),
@@ -322,9 +348,12 @@ def decode_world(blob: bytes, *, max_bytes: int = MAX_WORLD_BYTES) -> World:
         classes = [Host.from_dict({**c, "hostname": "class"}, source="world") for c in doc["classes"]]
         hosts: list[Host] = []
         ranks: list[RankInfo | None] = []
+        local_rows: dict[int, tuple[tuple[str, str, float, float], ...]] = {}
         for h, node in enumerate(doc["nodes"]):
             base = classes[node["class"]]
             hosts.append(base.renamed(str(node["hostname"])))
+            if node.get("local_measured"):
+                local_rows[h] = _local_rows(node["local_measured"], base)
             for g, local, dev in node["workers"]:
                 ranks.extend([None] * (g + 1 - len(ranks)))
                 ranks[g] = RankInfo(rank=g, host=h, local_rank=local, device=dev)
@@ -339,6 +368,7 @@ def decode_world(blob: bytes, *, max_bytes: int = MAX_WORLD_BYTES) -> World:
             ranks=tuple(r for r in ranks if r is not None),
             restart_count=int(doc["restart_count"]),
             measured=measured,
+            local_measured=local_rows,
         )
     except (KeyError, TypeError, ValueError, IndexError, TopologyError) as exc:
         raise LaunchError(f"the world document from node 0 is malformed ({exc})") from None

@@ -16,6 +16,7 @@ the defaults in place and logs a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import socketserver
 import statistics
@@ -26,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from topomesh.errors import LaunchError
+from topomesh.topology.build import local_connection
 from topomesh.topology.defaults import network_connection
 from topomesh.topology.model import Connection, Host, RankInfo
 
@@ -172,16 +174,32 @@ def measured_overrides(
     hosts: Sequence[Host],
     ranks: Sequence[RankInfo],
     node_pairs: Mapping[tuple[int, int], tuple[float, float]],
+    local: Mapping[int, Sequence[tuple[str, str, float, float]]] | None = None,
 ) -> dict[tuple[int, int], Connection]:
-    """Rank-pair connections for every rank pair between two measured nodes.
+    """Rank-pair connections for every rank pair between two measured nodes, and for every
+    rank pair of one node on two measured devices (``local``: rows by node, see
+    :mod:`topomesh.launch.localprobe`).
 
-    The kind stays what the NICs say (IB or Ethernet); latency and bandwidth are the
-    measured ones and the connection is marked ``measured``.
+    The kind stays what the NICs say (IB or Ethernet) or what the host's path says (NVLink,
+    PCIe class, SHM); latency and bandwidth are the measured ones and the connection is
+    marked ``measured``.
     """
     by_host: dict[int, list[RankInfo]] = {}
     for r in ranks:
         by_host.setdefault(r.host, []).append(r)
     out: dict[tuple[int, int], Connection] = {}
+    for h, rows in sorted((local or {}).items()):
+        figures = {frozenset((a, b)): (lat, bw) for a, b, lat, bw in rows}
+        members = by_host.get(h, [])
+        for i, ra in enumerate(members):
+            for rb in members[i + 1:]:
+                got = figures.get(frozenset((ra.device, rb.device)))
+                if got is None:
+                    continue
+                default = local_connection(hosts[h], ra.device, rb.device)
+                out[(min(ra.rank, rb.rank), max(ra.rank, rb.rank))] = dataclasses.replace(
+                    default, latency_us=round(got[0], 3), bandwidth_GBps=round(got[1], 3), measured=True
+                )
     for (ha, hb), (lat_us, bw_GBps) in sorted(node_pairs.items()):
         for ra in by_host.get(ha, ()):
             nic_a = hosts[ha].nearest_nic(ra.device)

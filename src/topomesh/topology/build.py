@@ -183,23 +183,27 @@ def _host_signature(host: Host) -> tuple:
     return (host.devices, host.nics, tuple(sorted(host.paths, key=lambda p: (p.a, p.b))))
 
 
+def local_connection(host: Host, a: str | None, b: str | None, d: LinkDefaults | None = None) -> Connection:
+    """The default connection between two different ranks of ``host`` on devices ``a``, ``b``."""
+    d = d or link_defaults()
+    dev_a = host.device(a) if a else None
+    if a is not None and a == b and dev_a.kind is DeviceKind.GPU:
+        return loc_connection(d)  # two ranks sharing one GPU
+    if a is None or b is None or a == b:
+        # no device, or two CPU processes on one socket: shared memory
+        return path_connection(None, None, d)
+    return path_connection(host.path(a, b), dev_a, d)
+
+
 def _local_matrix(host: Host, devs: tuple[str | None, ...], pal: _Palette, d: LinkDefaults) -> np.ndarray:
     k = len(devs)
     mat = np.empty((k, k), dtype=np.int32)
     for i, a in enumerate(devs):
-        dev_a = host.device(a) if a else None
         for j, b in enumerate(devs):
             if j < i:
                 mat[i, j] = mat[j, i]
                 continue
-            if i == j or (a is not None and a == b and dev_a.kind is DeviceKind.GPU):
-                conn = loc_connection(d)  # the rank itself, or two ranks sharing one GPU
-            elif a is None or b is None or a == b:
-                # no device, or two CPU processes on one socket: shared memory
-                conn = path_connection(None, None, d)
-            else:
-                conn = path_connection(host.path(a, b), dev_a, d)
-            mat[i, j] = pal.id(conn)
+            mat[i, j] = pal.id(loc_connection(d) if i == j else local_connection(host, a, b, d))
     return mat
 
 
