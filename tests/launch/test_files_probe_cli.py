@@ -124,6 +124,20 @@ def test_local_probe_measures_shm_and_refuses_what_it_cannot_map(monkeypatch: py
         localprobe.parse_rows(b"nope", {"GPU0"})
 
 
+def test_local_gpu_child_times_copies_and_prints_rows() -> None:
+    """The child's timing loop, run on CPU tensors (``device_type``): what the agent parses."""
+    import json
+    import subprocess
+    import sys
+
+    request = {"pairs": [["GPU0", "GPU1", 0, 0]], "bytes": 1 << 20, "budget_s": 0.5, "device_type": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "topomesh.launch.localprobe", json.dumps(request)],
+                          capture_output=True, timeout=120, check=True)
+    (row,) = localprobe.parse_rows(done.stdout, {"GPU0", "GPU1"})
+    assert (row.device_a, row.device_b) == ("GPU0", "GPU1") and row.latency_us > 0 and row.bandwidth_GBps > 0
+    assert localprobe.main([]) == 2
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA failure path")
 def test_local_gpu_probe_without_cuda_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -173,18 +173,23 @@ def parse_rows(raw: bytes, devices: set[str]) -> list[LocalResult]:
 
 
 def _gpu_child(request: dict) -> list[list[object]]:
-    """In the child: time copies between each GPU pair (CUDA ordinals in PCI bus order)."""
+    """In the child: time copies between each GPU pair (CUDA ordinals in PCI bus order).
+
+    ``request["device_type"]`` (default ``cuda``) lets the tests run the same timing on CPU.
+    """
     import torch
 
     deadline = time.perf_counter() + float(request["budget_s"])
     nbytes = int(request["bytes"])
+    kind = request.get("device_type", "cuda")
     rows = []
     for a, b, ia, ib in request["pairs"]:
-        da, db = torch.device("cuda", int(ia)), torch.device("cuda", int(ib))
+        da, db = torch.device(kind, int(ia)), torch.device(kind, int(ib))
 
         def sync(da: torch.device = da, db: torch.device = db) -> None:
-            torch.cuda.synchronize(da)
-            torch.cuda.synchronize(db)
+            if kind == "cuda":
+                torch.cuda.synchronize(da)
+                torch.cuda.synchronize(db)
 
         small_src, small_dst = torch.zeros(1, device=da), torch.empty(1, device=db)
         big_src = torch.empty(nbytes, dtype=torch.uint8, device=da)
