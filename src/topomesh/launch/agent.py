@@ -196,7 +196,7 @@ class TopologyAgent(LocalElasticAgent):
             try:
                 got = localprobe.measure_local(host, devices, budget_s=self._topology.probe_budget_s)
                 self._local_probes[key] = tuple((r.device_a, r.device_b, r.latency_us, r.bandwidth_GBps) for r in got)
-            except (LaunchError, OSError) as exc:
+            except Exception as exc:  # best effort: a probe never stops the job
                 log.warning("topomesh: local probe failed, keeping default link values inside this node: %s", exc)
                 self._local_probes[key] = ()
         return self._local_probes[key]
