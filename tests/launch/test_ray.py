@@ -38,6 +38,7 @@ def _train_loop(config: dict) -> None:
     }))
 
 
+@pytest.mark.timeout(600)  # Ray start-up on starved cores can pass the suite's 300 s default
 def test_torch_trainer_workers_read_the_topology(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
     from ray.train import RunConfig, ScalingConfig
