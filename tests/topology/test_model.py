@@ -94,9 +94,12 @@ def test_replica_peers_prefer_other_hosts_same_rail():
     t = build_topology(hosts, default_placement(hosts, [8] * 4))
     assert t.replica_peers(3, 3) == [11, 19, 27]
     assert t.replica_peers(27, 2) == [3, 11]
-    # more peers than other hosts: fall back to the same host
-    peers = t.replica_peers(0, 5)
-    assert peers[:3] == [8, 16, 24] and all(p != 0 for p in peers) and len(set(peers)) == 5
+    # more peers than other hosts: another round over the other hosts (next local rank),
+    # never the rank's own host while another host has a rank left
+    assert t.replica_peers(0, 5) == [8, 16, 24, 9, 17]
+    peers = t.replica_peers(0, 26)
+    assert len(set(peers)) == 26 and {t.ranks[p].host for p in peers[:24]} == {1, 2, 3}
+    assert peers[24:] == [1, 2]  # then its own host (one NVSwitch island here)
     with pytest.raises(TopologyError, match="cannot pick 32"):
         t.replica_peers(0, 32)
 

@@ -459,10 +459,11 @@ class Topology:
     def replica_peers(self, rank: int, k: int) -> list[int]:
         """``k`` ranks in other failure domains to hold copies of ``rank``'s checkpoint shard.
 
-        Other hosts first (round-robin over hosts, starting after the rank's own host, the
-        same local rank preferred on each, so copies use the same rail); then other NVLink
-        islands of the same host; then any other rank. Raises when ``k`` exceeds the ranks
-        available.
+        Other hosts first, round-robin starting after the rank's own host: each round takes
+        one more rank per host, the same local rank first (so copies use the same rail),
+        then the next local ranks. Only when every other host's ranks are taken does it use
+        the rank's own host: other NVLink islands first, then its own island. Raises when
+        ``k`` exceeds the ranks available.
         """
         self._check(rank)
         if k < 0 or k > self.world_size - 1:
@@ -470,25 +471,21 @@ class Topology:
         me = self.ranks[rank]
         by_host = self.ranks_by_host()
         order = [(me.host + i) % len(self.hosts) for i in range(1, len(self.hosts))]
-        picked: list[int] = []
-        for h in order:
-            if len(picked) == k:
-                break
+
+        def rail_order(h: int) -> list[int]:
             cands = by_host[h]
-            if not cands:
-                continue
-            same = [r for r in cands if self.ranks[r].local_rank == me.local_rank]
-            picked.append(same[0] if same else cands[0])
+            return sorted(cands, key=lambda r: ((self.ranks[r].local_rank - me.local_rank) % max(len(cands), 1), r))
+
+        queues = [rail_order(h) for h in order]
+        picked: list[int] = []
+        while len(picked) < k and any(queues):
+            for q in queues:
+                if q and len(picked) < k:
+                    picked.append(q.pop(0))
         if len(picked) < k:
-            rest = [r for h in order for r in by_host[h] if r not in picked]
             island = next(g for g in self.domains(LinkKind.NVLINK) if rank in g)
-            local = [r for r in by_host[me.host] if r != rank]
-            local.sort(key=lambda r: (r in island, r))
-            for r in local + rest:
-                if len(picked) == k:
-                    break
-                if r not in picked:
-                    picked.append(r)
+            local = sorted((r for r in by_host[me.host] if r != rank), key=lambda r: (r in island, r))
+            picked += local[: k - len(picked)]
         return picked
 
 
