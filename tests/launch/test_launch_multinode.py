@@ -175,3 +175,23 @@ def test_static_rendezvous_with_restart(agents: Agents) -> None:
     assert {r["file_restart_count"] for r in reports} == {1}
     assert len({r["bytes"] for r in reports}) == 1
     assert reports[0]["hostnames"] == ["nvlink-bridge-2gpu", "cpu-only"]  # node rank order
+
+
+def test_checkpoint_replica_example_copies_shards_to_the_other_host(agents: Agents) -> None:
+    """examples/checkpoint_replicas.py on two nodes × 2 workers: each shard's copy lands on the
+    other host, on the same local rank, and arrives intact."""
+    port = free_port()
+    example = Path(__file__).resolve().parents[2] / "examples" / "checkpoint_replicas.py"
+    out = agents.tmp / "replicas"
+    script = [str(example), "--copies", "1", "--numel", "1024", "--out", str(out)]
+    common = [*TWO_NODES, *_rdzv(port, "replicas"), f"--topology-dir={agents.tmp / 't'}"]
+    a = agents.start("a", common, sysfs="dgx-h100-8gpu-8ib", script=script)
+    b = agents.start("b", common, sysfs="pcie-4gpu-2numa", script=script)
+    assert agents.wait(a) == 0, agents.log(a)[-3000:]
+    assert agents.wait(b) == 0, agents.log(b)[-3000:]
+    reports = {r["rank"]: r for r in (json.loads(f.read_text()) for f in out.glob("replicas-rank*.json"))}
+    assert sorted(reports) == [0, 1, 2, 3]
+    assert {r: rep["peers"] for r, rep in reports.items()} == {0: [2], 1: [3], 2: [0], 3: [1]}
+    assert all(rep["peer_hosts"] != [rep["host"]] for rep in reports.values())
+    assert all(rep["received_from"] == rep["peers"] and not rep["corrupt_from"] for rep in reports.values())
+    assert "rank 0 (dgx-h100-8gpu-8ib): copies on 2 (pcie-4gpu-2numa, NIC)" in agents.log(a)
