@@ -95,12 +95,17 @@ def run(hosts: int, gpus: int, repeat: int) -> dict[str, Any]:
         a, b = rng.randrange(topo.world_size), rng.randrange(topo.world_size)
         assert back.connection(a, b) == topo.connection(a, b)
     small = build_topology(world.hosts[: max(1, 1024 // gpus)], world.ranks[: (1024 // gpus) * gpus])
-    # --topology-probe: the ring of node pairs and every local GPU pair measured (the figures
-    # are placeholders; the shape of the overrides is a real probe round's)
-    ring = {tuple(sorted((h, (h + 1) % hosts))): (5.0, 40.0) for h in range(hosts) if hosts > 1}
+    # --topology-probe: the ring of node pairs and every local GPU pair measured. The figures
+    # are random (measurements differ from node to node, so each is its own connection);
+    # the shape of the overrides is a real probe round's.
+    fig = random.Random(2)
+    ring = {tuple(sorted((h, (h + 1) % hosts))): (fig.uniform(3, 8), fig.uniform(30, 45))
+            for h in range(hosts) if hosts > 1}
     gpu_ids = [d.id for d in host.gpus][:gpus]
-    rows = tuple((a, b, 10.0, 300.0) for i, a in enumerate(gpu_ids) for b in gpu_ids[i + 1:])
-    local = dict.fromkeys(range(hosts), rows)
+    local = {
+        h: tuple((a, b, fig.uniform(8, 20), fig.uniform(250, 350)) for i, a in enumerate(gpu_ids) for b in gpu_ids[i + 1:])
+        for h in range(hosts)
+    }
 
     def probed() -> str:
         measured = probe.measured_overrides(world.hosts, world.ranks, ring, local)
