@@ -17,7 +17,7 @@ from topomesh.launch import files, local, localprobe, probe
 from topomesh.launch.exchange import digest
 from topomesh.topology.build import build_topology, default_placement
 from topomesh.topology.discover import discover_host
-from topomesh.topology.model import LinkKind, RankInfo
+from topomesh.topology.model import LinkKind, RankInfo, Topology
 
 
 @pytest.mark.parametrize("bad", ["..", "../x", "a/b", "a\\b", ".hidden", "", "x\0y", "r" * 201])
@@ -81,30 +81,41 @@ def test_probe_failure_is_a_launch_error() -> None:
         probe.measure(addr, budget_s=0.5)
 
 
-def test_measured_overrides_keep_kind_per_rail() -> None:
+def _measured_pairs(topo: Topology) -> list[tuple[int, int]]:
+    n = topo.world_size
+    return [(a, b) for a in range(n) for b in range(a + 1, n) if topo.connection(a, b).measured]
+
+
+def test_measured_hosts_keep_kind_per_rail() -> None:
     dgx = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
     pcie = discover_host(SYSFS / "pcie-4gpu-2numa")
     ranks = default_placement([dgx, pcie], [2, 1])
-    out = probe.measured_overrides([dgx, pcie], ranks, {(0, 1): (20.0, 3.0)})
-    assert sorted(out) == [(0, 2), (1, 2)]
-    assert {c.kind.value for c in out.values()} == {"NIC"}  # IB to Ethernet is Ethernet
-    assert all(c.measured and c.latency_us == 20.0 and c.bandwidth_GBps == 3.0 for c in out.values())
+    topo = build_topology([dgx, pcie], ranks, measured_hosts={(0, 1): (20.0, 3.0)})
+    assert _measured_pairs(topo) == [(0, 2), (1, 2)]
+    got = [topo.connection(a, b) for a, b in [(0, 2), (2, 1)]]
+    assert {c.kind.value for c in got} == {"NIC"}  # IB to Ethernet is Ethernet
+    assert all(c.measured and c.latency_us == 20.0 and c.bandwidth_GBps == 3.0 for c in got)
+    with pytest.raises(TopologyError, match="not two of the 2 hosts"):
+        build_topology([dgx, pcie], ranks, measured_hosts={(0, 0): (20.0, 3.0)})
 
 
-def test_local_rows_override_one_node_and_keep_the_path_kind() -> None:
+def test_measured_devices_apply_to_one_node_and_keep_the_path_kind() -> None:
     dgx = discover_host(SYSFS / "dgx-h100-8gpu-8ib")
     pcie = discover_host(SYSFS / "pcie-4gpu-2numa")
     ranks = default_placement([dgx, pcie], [3, 2])
     before = build_topology([dgx, pcie], ranks)
-    out = probe.measured_overrides([dgx, pcie], ranks, {}, {0: [("GPU1", "GPU0", 9.0, 300.0)], 1: [("GPU0", "GPU1", 7.0, 20.0)]})
-    assert sorted(out) == [(0, 1), (3, 4)]  # GPU0-GPU1 on each node; GPU2 pairs keep defaults
-    for (a, b), c in out.items():
-        default = before.connection(a, b)
+    rows = {0: [("GPU1", "GPU0", 9.0, 300.0)], 1: [("GPU0", "GPU1", 7.0, 20.0)]}
+    topo = build_topology([dgx, pcie], ranks, measured_devices=rows)
+    assert _measured_pairs(topo) == [(0, 1), (3, 4)]  # GPU0-GPU1 on each node; GPU2 pairs keep defaults
+    for a, b in [(0, 1), (3, 4)]:
+        c, default = topo.connection(b, a), before.connection(a, b)
         assert c.measured and (c.kind, c.channels) == (default.kind, default.channels)
-    assert (out[(0, 1)].kind.value, out[(0, 1)].bandwidth_GBps) == ("NVSwitch", 300.0)
-    assert (out[(3, 4)].latency_us, out[(3, 4)].bandwidth_GBps) == (7.0, 20.0)
-    topo = build_topology([dgx, pcie], ranks, measured=out)
-    assert topo.connection(0, 1).measured and not topo.connection(0, 2).measured
+    assert (topo.connection(0, 1).kind.value, topo.connection(0, 1).bandwidth_GBps) == ("NVSwitch", 300.0)
+    assert (topo.connection(3, 4).latency_us, topo.connection(3, 4).bandwidth_GBps) == (7.0, 20.0)
+    # the table stores one row per measurement, not per rank pair
+    assert topo.table.measured_local == {0: {(0, 1): (9.0, 300.0)}, 1: {(0, 1): (7.0, 20.0)}}
+    with pytest.raises(TopologyError, match="bandwidth must be a finite number"):
+        build_topology([dgx, pcie], ranks, measured_devices={0: [("GPU0", "GPU1", 1.0, float("nan"))]})
 
 
 def test_local_probe_measures_shm_and_refuses_what_it_cannot_map(monkeypatch: pytest.MonkeyPatch) -> None:

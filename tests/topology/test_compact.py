@@ -55,10 +55,35 @@ def test_overrides_and_non_contiguous_ranks_survive():
     assert back.connection(2, 3).kind is LinkKind.IB and not back.connection(2, 3).measured
 
 
+def test_probe_measurements_are_stored_once_each_and_survive_both_forms():
+    hosts = [dgx_host(f"n{i}", gpus=4) for i in range(3)]
+    ranks = default_placement(hosts, [4, 4, 4])
+    t = build_topology(
+        hosts, ranks, measured_hosts={(1, 0): (4.25, 41.5)},
+        measured_devices={2: [("GPU3", "GPU1", 11.5, 280.25)]},
+    )
+    doc = json.loads(api.dumps(t, "compact"))
+    assert doc["format_version"] == "2"
+    assert doc["measured_inter"] == [[0, 1, 4.25, 41.5]] and doc["measured_local"] == [[2, 1, 3, 11.5, 280.25]]
+    for back in (api.parse_text(json.dumps(doc)), api.parse_text(api.dumps(t, "dense"))):
+        for a in range(12):
+            for b in range(12):
+                assert back.connection(a, b) == t.connection(a, b), (a, b)
+    assert t.connection(1, 6) == Connection(kind=LinkKind.IB, latency_us=4.25, bandwidth_GBps=41.5, measured=True)
+    assert t.connection(9, 11).measured and t.connection(9, 11).kind is LinkKind.NVSWITCH
+    assert not t.connection(9, 10).measured and not t.connection(1, 9).measured
+    # unprobed files stay version 1, byte for byte what they were
+    assert json.loads(api.dumps(build_topology(hosts, ranks), "compact"))["format_version"] == "1"
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
         (lambda d: d.update(format_version="9"), "unsupported compact format_version"),
+        (lambda d: d.update(measured_inter=[[0, 0, 1.0, 2.0]]), r"is one host"),
+        (lambda d: d.update(measured_inter=[[0, 1, -1.0, 2.0]]), r"\$\.measured_inter\[0\]"),
+        (lambda d: d.update(measured_local=[[0, 0, 5, 1.0, 2.0]]), r"local slots \(0, 5\) are not two"),
+        (lambda d: d.update(measured_local=[[0, 1]]), r"\$\.measured_local\[0\]"),
         (lambda d: d.update(rank_host=[0, 0, 5, 1]), r"\$\.rank_host: values must be in 0\.\.1"),
         (lambda d: d.update(inter=[[0, 99]]), r"\$\.inter"),
         (lambda d: d["local_classes"][0][0].__setitem__(0, 77), r"connection ids must be in"),

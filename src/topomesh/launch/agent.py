@@ -177,11 +177,11 @@ class TopologyAgent(LocalElasticAgent):
         mine = sorted((r.rank, r.local_rank) for r in world.ranks if r.host == wg.group_rank)
         if mine != sorted((w.global_rank, w.local_rank) for w in wg.workers):
             raise LaunchError(f"the world document places other ranks on node {wg.group_rank} than torchrun did")
-        measured = probe.measured_overrides(world.hosts, world.ranks, world.measured, world.local_measured)
         topo = build_topology(
             world.hosts,
             world.ranks,
-            measured=measured,
+            measured_hosts=world.measured,
+            measured_devices=world.local_measured,
             run_id=run_id,
             restart_count=world.restart_count,
             source="rendezvous",

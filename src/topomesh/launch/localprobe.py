@@ -18,7 +18,7 @@ Pairs on different CPU sockets, and GPU↔CPU pairs, keep their defaults. Everyt
 bounded by a time box; a measurement that fails or runs out of time leaves the defaults and
 the caller logs a warning. Results are rows of :class:`LocalResult` (one per device pair),
 published in the node's entry and applied to every rank pair on those two devices
-(:func:`topomesh.launch.probe.measured_overrides`).
+(``build_topology(measured_devices=...)``).
 
 This module's GPU path has only been run against stand-ins: no GPU machine was available
 when it was written.

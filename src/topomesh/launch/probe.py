@@ -16,20 +16,15 @@ the defaults in place and logs a warning.
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import socketserver
 import statistics
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from topomesh.errors import LaunchError
-from topomesh.topology.build import local_connection
-from topomesh.topology.defaults import network_connection
-from topomesh.topology.model import Connection, Host, Nic, RankInfo
 
 _PING = b"P"
 _BULK = b"B"
@@ -168,63 +163,3 @@ def measure(addr: str, *, budget_s: float = 2.0, pings: int = 50) -> ProbeResult
     if not rtts or best_GBps <= 0:
         raise LaunchError(f"probe of {addr} ran out of its {budget_s:g} s budget")
     return ProbeResult(latency_us=statistics.median(rtts) / 2 * 1e6, bandwidth_GBps=best_GBps)
-
-
-def measured_overrides(
-    hosts: Sequence[Host],
-    ranks: Sequence[RankInfo],
-    node_pairs: Mapping[tuple[int, int], tuple[float, float]],
-    local: Mapping[int, Sequence[tuple[str, str, float, float]]] | None = None,
-) -> dict[tuple[int, int], Connection]:
-    """Rank-pair connections for every rank pair between two measured nodes, and for every
-    rank pair of one node on two measured devices (``local``: rows by node, see
-    :mod:`topomesh.launch.localprobe`).
-
-    The kind stays what the NICs say (IB or Ethernet) or what the host's path says (NVLink,
-    PCIe class, SHM); latency and bandwidth are the measured ones and the connection is
-    marked ``measured``.
-    """
-    by_host: dict[int, list[RankInfo]] = {}
-    for r in ranks:
-        by_host.setdefault(r.host, []).append(r)
-    out: dict[tuple[int, int], Connection] = {}
-    # Alike hosts share their device/NIC/path tuples (Host.renamed), so kinds and rails are
-    # worked out once per kind of host, not once per rank pair: 2,048 probed nodes give
-    # about 190,000 measured rank pairs.
-    conns: dict[tuple[object, ...], Connection] = {}
-    for h, rows in sorted((local or {}).items()):
-        figures = {frozenset((a, b)): (lat, bw) for a, b, lat, bw in rows}
-        members = by_host.get(h, [])
-        for i, ra in enumerate(members):
-            for rb in members[i + 1:]:
-                got = figures.get(frozenset((ra.device, rb.device)))
-                if got is None:
-                    continue
-                key = (id(hosts[h].paths), ra.device, rb.device, got)
-                if key not in conns:
-                    default = local_connection(hosts[h], ra.device, rb.device)
-                    conns[key] = dataclasses.replace(
-                        default, latency_us=round(got[0], 3), bandwidth_GBps=round(got[1], 3), measured=True
-                    )
-                out[(min(ra.rank, rb.rank), max(ra.rank, rb.rank))] = conns[key]
-    rail: dict[tuple[int, int, str | None], Nic | None] = {}
-
-    def nic_of(r: RankInfo) -> Nic | None:
-        key = (id(hosts[r.host].nics), id(hosts[r.host].paths), r.device)
-        if key not in rail:
-            rail[key] = hosts[r.host].nearest_nic(r.device)
-        return rail[key]
-
-    for (ha, hb), (lat_us, bw_GBps) in sorted(node_pairs.items()):
-        for ra in by_host.get(ha, ()):
-            nic_a = nic_of(ra)
-            for rb in by_host.get(hb, ()):
-                nic_b = nic_of(rb)
-                key = (id(nic_a), id(nic_b), lat_us, bw_GBps)
-                if key not in conns:
-                    conns[key] = Connection(
-                        kind=network_connection(nic_a, nic_b).kind, latency_us=round(lat_us, 3),
-                        bandwidth_GBps=round(bw_GBps, 3), measured=True,
-                    )
-                out[(min(ra.rank, rb.rank), max(ra.rank, rb.rank))] = conns[key]
-    return out

@@ -224,7 +224,7 @@ def used_connections(topo: Topology) -> set[Connection]:
             for s, hs in hosts_of_rail.items():
                 if not (len(hr) == 1 and hr == hs):
                     ids.add(int(t.inter[r, s]))
-    return {t.palette[i] for i in ids}
+    return {t.palette[i] for i in ids} | t.measured_connections()
 
 
 def links_table(topo: Topology) -> Table:

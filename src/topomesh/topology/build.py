@@ -25,6 +25,7 @@ from topomesh.topology.model import (
     ConnectionTable,
     DeviceKind,
     Host,
+    LinkKind,
     Nic,
     RankInfo,
     Topology,
@@ -91,6 +92,8 @@ def build_topology(
     *,
     defaults: LinkDefaults | None = None,
     measured: Mapping[tuple[int, int], Connection] | None = None,
+    measured_hosts: Mapping[tuple[int, int], tuple[float, float]] | None = None,
+    measured_devices: Mapping[int, Sequence[tuple[str, str, float, float]]] | None = None,
     run_id: str | None = None,
     restart_count: int | None = None,
     source: str | None = None,
@@ -100,7 +103,11 @@ def build_topology(
     Same-host pairs take the host's path between their devices (same device: ``LOC``;
     CPU-only: ``SHM``). Pairs on different hosts go through each rank's nearest NIC (its
     rail): ``IB`` when both ends have RDMA NICs, else Ethernet, at the slower line rate.
-    ``measured`` replaces the connection of individual rank pairs (probe results).
+    ``measured`` replaces the connection of individual rank pairs. Probe results keep the
+    kind and replace latency and bandwidth: ``measured_hosts`` maps a host pair to
+    ``(latency_us, bandwidth_GBps)`` for every rank pair between the two hosts;
+    ``measured_devices`` maps a host to rows ``(device_a, device_b, latency_us,
+    bandwidth_GBps)`` for every rank pair of that host on those two devices.
     """
     d = defaults or link_defaults()
     n = len(ranks)
@@ -157,6 +164,25 @@ def build_topology(
         if not (0 <= a < n and 0 <= b < n):
             raise TopologyError(f"measured pair ({a}, {b}) is outside the world of {n} ranks")
         overrides[(min(a, b), max(a, b))] = pal.id(conn)
+    measured_inter: dict[tuple[int, int], tuple[float, float]] = {}
+    for (ha, hb), figures in (measured_hosts or {}).items():
+        if not (0 <= ha < len(hosts) and 0 <= hb < len(hosts)) or ha == hb:
+            raise TopologyError(f"measured host pair ({ha}, {hb}) is not two of the {len(hosts)} hosts")
+        measured_inter[(min(ha, hb), max(ha, hb))] = _figures(figures)
+    measured_local: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
+    for h, rows in (measured_devices or {}).items():
+        if not 0 <= h < len(hosts):
+            raise TopologyError(f"measured devices of host {h}, but there are {len(hosts)} hosts")
+        by_pair = {frozenset((a, b)): _figures((lat, bw)) for a, b, lat, bw in rows}
+        members = per_host[h]
+        slots = {}
+        for i, ra in enumerate(members):
+            for rb in members[i + 1:]:
+                got = by_pair.get(frozenset((ra.device, rb.device)))
+                if got is not None:
+                    slots[(int(local_of[ra.rank]), int(local_of[rb.rank]))] = got
+        if slots:
+            measured_local[h] = slots
 
     table = ConnectionTable(
         palette=tuple(pal.items),
@@ -167,6 +193,8 @@ def build_topology(
         rail_of=rail_of,
         inter=inter,
         overrides=overrides,
+        measured_inter=measured_inter,
+        measured_local=measured_local,
     )
     return Topology(
         hosts=tuple(hosts),
@@ -181,6 +209,13 @@ def build_topology(
 def _host_signature(host: Host) -> tuple:
     """Everything about a host that changes its local matrix (not its name)."""
     return (host.devices, host.nics, tuple(sorted(host.paths, key=lambda p: (p.a, p.b))))
+
+
+def _figures(figures: Sequence[float]) -> tuple[float, float]:
+    lat, bw = (round(float(x), 3) for x in figures)
+    # the same checks a Connection makes
+    Connection(kind=LinkKind.UNKNOWN, latency_us=lat, bandwidth_GBps=bw)
+    return lat, bw
 
 
 def local_connection(host: Host, a: str | None, b: str | None, d: LinkDefaults | None = None) -> Connection:

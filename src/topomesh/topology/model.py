@@ -356,7 +356,12 @@ class ConnectionTable:
     shared by every host of the same class (``local[host_class[h]][local_of[a], local_of[b]]``);
     ranks on different hosts look up ``inter[rail_of[a], rail_of[b]]``, where a rail is a
     class of NIC (kind and speed) a rank sends through. ``overrides`` holds the pairs that
-    fit neither rule (measured values, irregular files), keyed ``(min, max)``.
+    fit neither rule (irregular files), keyed ``(min, max)``.
+
+    Probe measurements keep the kind and channels those rules give and replace latency and
+    bandwidth: ``measured_inter`` per host pair ``(min, max)`` (every rank pair between the
+    two hosts) and ``measured_local`` per host and local slot pair ``(min, max)``. Stored per
+    measurement, not per rank pair, so a probed world stays about as small as an unprobed one.
     """
 
     palette: tuple[Connection, ...]
@@ -367,10 +372,53 @@ class ConnectionTable:
     rail_of: np.ndarray
     inter: np.ndarray
     overrides: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    measured_inter: Mapping[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    measured_local: Mapping[int, Mapping[tuple[int, int], tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
         return int(self.host_of.shape[0])
+
+    def measured(self, a: int, b: int) -> tuple[float, float] | None:
+        """Measured (latency_us, bandwidth_GBps) between ranks ``a`` and ``b``, if probed."""
+        if a == b or (self.overrides and ((a, b) if a <= b else (b, a)) in self.overrides):
+            return None
+        ha, hb = int(self.host_of[a]), int(self.host_of[b])
+        if ha == hb:
+            slots = self.measured_local.get(ha)
+            if not slots:
+                return None
+            la, lb = int(self.local_of[a]), int(self.local_of[b])
+            return slots.get((la, lb) if la <= lb else (lb, la))
+        if not self.measured_inter:
+            return None
+        return self.measured_inter.get((ha, hb) if ha <= hb else (hb, ha))
+
+    def connection(self, a: int, b: int) -> Connection:
+        """The connection between ranks ``a`` and ``b``, measured figures applied."""
+        base = self.palette[self.index(a, b)]
+        if self.measured_inter or self.measured_local:
+            got = self.measured(a, b)
+            if got is not None:
+                return dataclasses.replace(base, latency_us=got[0], bandwidth_GBps=got[1], measured=True)
+        return base
+
+    def measured_connections(self) -> set[Connection]:
+        """Every distinct measured connection some rank pair has."""
+        out: set[Connection] = set()
+        members: dict[int, list[int]] = {}
+        for r, h in enumerate(self.host_of.tolist()):
+            members.setdefault(h, []).append(r)
+        for h, slots in self.measured_local.items():
+            by_slot = {int(self.local_of[r]): r for r in members.get(h, [])}
+            for (la, lb), _ in slots.items():
+                if la in by_slot and lb in by_slot:
+                    out.add(self.connection(by_slot[la], by_slot[lb]))
+        for ha, hb in self.measured_inter:
+            for ra in members.get(ha, []):
+                for rb in members.get(hb, []):
+                    out.add(self.connection(ra, rb))
+        return out
 
     def index(self, a: int, b: int) -> int:
         """Palette index of the connection between ranks ``a`` and ``b``."""
@@ -419,7 +467,7 @@ class Topology:
         """The connection between ranks ``a`` and ``b`` (``LOC`` when ``a == b``)."""
         self._check(a)
         self._check(b)
-        return self.table.palette[self.table.index(a, b)]
+        return self.table.connection(a, b)
 
     def host_of(self, rank: int) -> Host:
         self._check(rank)

@@ -13,10 +13,15 @@ directly, so its size grows with ranks, not ranks²::
      "host_class": [0, 0, ...],                          # per host
      "rank_host": [...], "rank_local_rank": [...], "rank_device": [...], "rank_rail": [...],
      "inter": [[2]],                                     # palette ids between rails
-     "overrides": [[a, b, id], ...]}
+     "overrides": [[a, b, id], ...],
+     "measured_inter": [[host_a, host_b, latency_us, bandwidth_GBps], ...],
+     "measured_local": [[host, slot_a, slot_b, latency_us, bandwidth_GBps], ...]}
 
 ``version`` is the RFC format the connection objects follow; ``format_version`` versions
-the compact layout itself. Readers see the same :class:`Topology` as from a dense file.
+the compact layout itself: 2 adds the two ``measured_*`` lists (probe results, one row per
+measurement; kind and channels come from the rules above) and is written only when there are
+measurements; otherwise the file is version 1, as before. Both are read.
+Readers see the same :class:`Topology` as from a dense file.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from topomesh.topology.formats.rfc import VERSION, connection_from_dict, connect
 from topomesh.topology.model import ConnectionTable, Host, RankInfo, Topology
 
 FORMAT = "topomesh-compact"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+READABLE_VERSIONS = ("1", "2")
 
 
 def to_dict(topo: Topology) -> dict[str, Any]:
@@ -49,7 +55,7 @@ def to_dict(topo: Topology) -> dict[str, Any]:
         hosts.append([h.hostname, templates[key]])
     doc: dict[str, Any] = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": READABLE_VERSIONS[0],
         "version": VERSION,
         "generator": "topomesh",
         "world_size": str(topo.world_size),
@@ -71,6 +77,15 @@ def to_dict(topo: Topology) -> dict[str, Any]:
         inter=t.inter.tolist(),
         overrides=[[a, b, i] for (a, b), i in sorted(t.overrides.items())],
     )
+    if t.measured_inter or t.measured_local:
+        # only files with probe results need the version-2 reader
+        doc["format_version"] = FORMAT_VERSION
+        doc["measured_inter"] = [[a, b, lat, bw] for (a, b), (lat, bw) in sorted(t.measured_inter.items())]
+        doc["measured_local"] = [
+            [h, la, lb, lat, bw]
+            for h, slots in sorted(t.measured_local.items())
+            for (la, lb), (lat, bw) in sorted(slots.items())
+        ]
     return doc
 
 
@@ -104,12 +119,37 @@ def _matrix(raw: Any, bound: int, where: str, source: str, square: bool) -> np.n
     return arr.astype(np.int32)
 
 
+def _measured_rows(doc: dict[str, Any], key: str, bounds: tuple[int, ...], source: str) -> list[tuple[Any, ...]]:
+    """Rows of integer indices below ``bounds`` followed by latency_us and bandwidth_GBps.
+
+    Returns ``(first index, rest of the indices, (latency, bandwidth))`` per row; for
+    two-index rows (host pairs) the rest is the second index itself.
+    """
+    raw = doc.get(key, [])
+    if not isinstance(raw, list):
+        raise TopologyError("expected a list of rows", source=source, where=f"$.{key}")
+    k = len(bounds)
+    out = []
+    for i, row in enumerate(raw):
+        ok = isinstance(row, list) and len(row) == k + 2
+        ok = ok and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < b for x, b in zip(row[:k], bounds, strict=True))
+        ok = ok and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e12 for x in row[k:])
+        if not ok:
+            raise TopologyError(
+                f"expected [{k} indices in range, latency_us, bandwidth_GBps]", source=source, where=f"$.{key}[{i}]"
+            )
+        rest = row[1] if k == 2 else tuple(row[1:k])
+        out.append((row[0], rest, (float(row[k]), float(row[k + 1]))))
+    return out
+
+
 def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise TopologyError(f"not a {FORMAT} document", source=source)
-    if doc.get("format_version") != FORMAT_VERSION:
+    if doc.get("format_version") not in READABLE_VERSIONS:
         raise TopologyError(
-            f"unsupported compact format_version {doc.get('format_version')!r}; this reader understands {FORMAT_VERSION!r}",
+            f"unsupported compact format_version {doc.get('format_version')!r}; this reader understands "
+            f"{', '.join(map(repr, READABLE_VERSIONS))}",
             source=source,
             where="$.format_version",
         )
@@ -185,6 +225,18 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
         if not ok or not (0 <= item[0] < n and 0 <= item[1] < n and 0 <= item[2] < len(palette)):
             raise TopologyError("expected [rank, rank, connection id] within range", source=source, where=f"$.overrides[{i}]")
         overrides[(min(item[0], item[1]), max(item[0], item[1]))] = item[2]
+    measured_inter: dict[tuple[int, int], tuple[float, float]] = {}
+    for a, b, figures in _measured_rows(doc, "measured_inter", (len(hosts), len(hosts)), source):
+        if a == b:
+            raise TopologyError(f"measured host pair ({a}, {b}) is one host", source=source, where="$.measured_inter")
+        measured_inter[(min(a, b), max(a, b))] = figures
+    measured_local: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
+    for h, (la, lb), figures in _measured_rows(doc, "measured_local", (len(hosts), 1 << 30, 1 << 30), source):
+        size = local[host_class[h]].shape[0] if local else 0
+        if not (la < size and lb < size) or la == lb:
+            raise TopologyError(f"local slots ({la}, {lb}) are not two of the {size} on host {h}",
+                                source=source, where="$.measured_local")
+        measured_local.setdefault(h, {})[(min(la, lb), max(la, lb))] = figures
     ranks = []
     for r in range(n):
         dev = devices[r]
@@ -201,6 +253,8 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
         rail_of=rail,
         inter=inter,
         overrides=overrides,
+        measured_inter=measured_inter,
+        measured_local=measured_local,
     )
     restart = doc.get("restart_count")
     try:

@@ -84,6 +84,13 @@ def connection_to_dict(c: Connection) -> dict[str, Any]:
     return out
 
 
+def _entry(table: ConnectionTable, conns: list[dict[str, Any]], a: int, b: int) -> dict[str, Any]:
+    """The connection object of one pair: the interned one, or a measured one built here."""
+    if (table.measured_inter or table.measured_local) and table.measured(a, b) is not None:
+        return connection_to_dict(table.connection(a, b))
+    return conns[table.index(a, b)]
+
+
 def to_dict(topo: Topology) -> dict[str, Any]:
     """The dense v0.1 document: every ordered pair of distinct ranks."""
     n = topo.world_size
@@ -98,7 +105,7 @@ def to_dict(topo: Topology) -> dict[str, Any]:
         }
         if info.device is not None:
             entry["device"] = info.device
-        entry["peers"] = {str(b): {"connection": conns[table.index(a, b)]} for b in range(n) if b != a}
+        entry["peers"] = {str(b): {"connection": _entry(table, conns, a, b)} for b in range(n) if b != a}
         ranks[str(a)] = entry
     doc: dict[str, Any] = {"version": VERSION, "generator": GENERATOR, "world_size": str(n)}
     if topo.run_id is not None:
