@@ -196,6 +196,15 @@ def test_links_table_lists_only_connections_some_pair_has() -> None:
     assert kinds == [("IB", 25.0), ("IB", 50.0), ("LOC", 5000.0), ("NVSwitch", 370.8)]
 
 
+def test_links_table_shows_measured_links_and_drops_defaults_they_replace() -> None:
+    hosts = [dgx_host("a", gpus=2), dgx_host("b", gpus=2)]
+    topo = build_topology(hosts, default_placement(hosts, [2, 2]), measured_hosts={(0, 1): (4.0, 40.0)},
+                          measured_devices={0: [("GPU0", "GPU1", 9.0, 300.0)]})
+    got = sorted((c.kind.value, c.bandwidth_GBps, c.measured) for c in used_connections(topo))
+    # host b's NVSwitch pair keeps its default; the only host pair is measured, so no default IB
+    assert got == [("IB", 40.0, True), ("LOC", 5000.0, False), ("NVSwitch", 300.0, True), ("NVSwitch", 370.8, False)]
+
+
 def test_large_single_host_matrix_is_cut() -> None:
     topo = single_host_topology(cpu_host("big", sockets=2), 40)
     console = Console(width=200, record=True, file=io.StringIO())

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from types import MappingProxyType
 
-import numpy as np
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -214,8 +213,13 @@ def used_connections(topo: Topology) -> set[Connection]:
     ids: set[int] = set(t.overrides.values())
     hosts_used = {int(h) for h in t.host_of}
     for h in hosts_used:
-        ids.update(int(i) for i in np.unique(t.local[t.host_class[h]]))
-    if len(hosts_used) > 1:
+        mat = t.local[t.host_class[h]]
+        measured = t.measured_local.get(h, {})
+        # a default a measurement replaces for every pair of slots is not used
+        ids.update(int(mat[i, j]) for i in range(mat.shape[0]) for j in range(i, mat.shape[0])
+                   if (i, j) not in measured)
+    n_hosts = len(hosts_used)
+    if n_hosts > 1 and len(t.measured_inter) < n_hosts * (n_hosts - 1) // 2:
         # rails r, s meet across hosts unless both are used on one and the same host only
         hosts_of_rail: dict[int, set[int]] = {}
         for rail, host in zip(t.rail_of.tolist(), t.host_of.tolist(), strict=True):
