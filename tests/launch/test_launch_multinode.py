@@ -124,10 +124,11 @@ def test_elastic_scale_down_rebuilds_file_for_new_world(agents: Agents) -> None:
     def reports(world: int) -> list[dict]:
         return [r for r in agents.reports() if r["world_size"] == world]
 
-    _wait_for(lambda: len(reports(4)) == 4, 60, "the 4-rank round", agents, a, b)
-    four = reports(4)
+    # ">=": rounds can repeat (see below), and polling may miss the moment a count is exact
+    _wait_for(lambda: len(reports(4)) >= 4, 60, "the 4-rank round", agents, a, b)
+    round4 = max(r["file_restart_count"] for r in reports(4))
+    four = [r for r in reports(4) if r["file_restart_count"] == round4]
     assert len({r["bytes"] for r in four}) == 1
-    round4 = four[0]["file_restart_count"]
     victims = agents.worker_pids(b.pid)
     assert len(victims) >= 2
     agents.kill(b)
@@ -138,7 +139,7 @@ def test_elastic_scale_down_rebuilds_file_for_new_world(agents: Agents) -> None:
     def survivors() -> list[dict]:
         return [r for r in reports(2) if r["file_restart_count"] > round4]
 
-    _wait_for(lambda: len(survivors()) == 2, 60, "the re-formed 2-rank round", agents, a)
+    _wait_for(lambda: len(survivors()) >= 2, 60, "the re-formed 2-rank round", agents, a)
     (agents.out / "release").touch()
     assert agents.wait(a) == 0, agents.log(a)[-3000:]
     # The survivor may re-form more than once (torchrun's c10d handler can open another
