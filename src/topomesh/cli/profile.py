@@ -23,6 +23,7 @@ from topomesh.cost.opdb import OpProfileDB, default_db_path
 from topomesh.cost.ops import CostSummary, ProfileRun, cost_summary, profile_ops, records_from_json
 from topomesh.errors import CalibrationError, TraceError
 from topomesh.layout.dims import parse_degrees
+from topomesh.topology.api import read_json
 from topomesh.trace.graph import OpRecord
 
 HELP = "Profile each distinct op of a traced step on this device into the shared op-profile table."
@@ -50,13 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(path: Path) -> list[Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such op-records file") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TraceError(f"{path}: cannot read op records ({exc})") from None
-    return records_from_json(data)
+    return records_from_json(read_json(path, what="op-records file", error=TraceError))
 
 
 def _trace_records(args: argparse.Namespace) -> list[OpRecord]:

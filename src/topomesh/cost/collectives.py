@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from topomesh.errors import CalibrationError
+from topomesh.topology.api import read_json
 from topomesh.topology.defaults import default_connection
 from topomesh.topology.model import Connection, LinkKind
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord
@@ -233,14 +234,8 @@ def profile_from_dict(raw: Any, *, source: str = "profile") -> CollectiveProfile
 
 
 def load_profile(path: str | Path) -> CollectiveProfile:
-    p = Path(path)
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise CalibrationError(f"{p}: no such collective profile") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"{p}: cannot read collective profile ({exc})") from None
-    return profile_from_dict(raw, source=str(p))
+    raw = read_json(path, what="collective profile", error=CalibrationError)
+    return profile_from_dict(raw, source=str(path))
 
 
 def builtin_profile_names() -> list[str]:

@@ -13,8 +13,9 @@ import os
 import tempfile
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
-from topomesh.errors import TopologyError
+from topomesh.errors import TopologyError, TopomeshError
 from topomesh.topology.formats import compact, rfc
 from topomesh.topology.model import Host, Topology
 
@@ -129,6 +130,18 @@ def dumps(topo: Topology, form: FileForm | str = FileForm.AUTO, *, dense_max_ran
     if form is FileForm.AUTO:
         form = FileForm.DENSE if topo.world_size <= dense_max_ranks else FileForm.COMPACT
     return rfc.dumps(topo) if form is FileForm.DENSE else compact.dumps(topo)
+
+
+def read_json(path: str | os.PathLike[str], *, what: str, error: type[TopomeshError]) -> Any:
+    """The JSON document in ``path``; a missing or unreadable file raises ``error`` as one
+    line naming the file and ``what`` it should be (e.g. ``"collective profile"``)."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise error(f"{p}: no such {what}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{p}: cannot read {what} ({exc})") from None
 
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o644) -> Path:
