@@ -2,8 +2,10 @@
 
 Files live in a per-user directory, ``$TMPDIR/topomesh-<uid>/<run_id>/`` by default, both
 levels created with mode 0700 and refused when they are symlinks, owned by another user
-or open to others. The run id is reduced to a safe file name; an id that names a path
-(``..``, ``a/b``) is rejected. File names carry the restart count and a hash of the
+or open to others (:mod:`topomesh.privdir`; when another user blocks the default, the
+launcher falls back to ``$XDG_RUNTIME_DIR/topomesh`` or a fresh temporary directory).
+The run id is reduced to a safe file name; an id that names a path (``..``, ``a/b``) is
+rejected. File names carry the restart count and a hash of the
 content, so two agents of one job on one host write the same name with the same bytes,
 and two jobs (different run ids) never share a directory.
 """
@@ -12,12 +14,11 @@ from __future__ import annotations
 
 import os
 import re
-import stat
-import tempfile
 from pathlib import Path
 
 from topomesh.errors import LaunchError
 from topomesh.launch.exchange import digest
+from topomesh.privdir import private_directory, runtime_directory
 from topomesh.topology.api import write_atomic
 
 _SAFE = re.compile(r"[A-Za-z0-9._-]")
@@ -48,35 +49,19 @@ def safe_run_id(run_id: str) -> str:
     return cleaned
 
 
-def _private_dir(path: Path) -> Path:
-    """Create ``path`` with mode 0700 if missing; check it is ours and private."""
-    try:
-        path.mkdir(mode=0o700, exist_ok=True)
-        st = path.lstat()
-    except OSError as exc:
-        raise LaunchError(f"cannot create the topology directory {str(path)!r} ({exc.strerror})") from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise LaunchError(f"topology directory {str(path)!r} is a symlink or not a directory; refusing to use it")
-    if st.st_uid != os.getuid():
-        raise LaunchError(f"topology directory {str(path)!r} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & 0o077:
-        raise LaunchError(
-            f"topology directory {str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o}; "
-            "it must not be accessible to other users (0700)"
-        )
-    return path
-
-
 def run_directory(run_id: str, base: str | os.PathLike[str] | None = None) -> Path:
     """The private directory for one run's files, created if needed.
 
-    ``base`` is ``--topology-dir``; by default ``$TMPDIR/topomesh-<uid>``.
+    ``base`` is ``--topology-dir``; by default :func:`topomesh.privdir.runtime_directory`
+    (``$TMPDIR/topomesh-<uid>``, falling back with a warning when another user blocks it).
+    Both levels go through :func:`topomesh.privdir.private_directory`.
     """
-    root = Path(base) if base is not None else Path(tempfile.gettempdir()) / f"topomesh-{os.getuid()}"
-    if base is not None:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _private_dir(root)
-    return _private_dir(root / safe_run_id(run_id))
+    what = "topology directory"
+    if base is None:
+        root = runtime_directory(what=what, error=LaunchError)
+    else:
+        root = private_directory(base, what=what, error=LaunchError)
+    return private_directory(root / safe_run_id(run_id), what=what, error=LaunchError)
 
 
 def write_topology_file(directory: Path, text: str, restart_count: int) -> Path:
