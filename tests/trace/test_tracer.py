@@ -11,12 +11,16 @@ import functools
 from collections import Counter
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from topomesh.models.parallelize import Checkpointing, ParallelOptions, make_parallelize
 from topomesh.models.presets import get_preset
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase
 from topomesh.trace.result import CollectiveStats, Part, Trace
-from topomesh.trace.tracer import trace_step, transformer_spec
+from topomesh.trace.tracer import ModelSpec, default_optimizer, trace_step, transformer_spec
 
 B = 2
 BF16 = 2
@@ -285,3 +289,73 @@ def test_mixtral_expert_parallel_fsdp_bytes() -> None:
     assert ("all_gather", (dense + experts) * BF16, "dp_shard") in fwd
     cap = -(-cfg.seq_len * cfg.top_k // e)
     assert [c for c in fwd if c[0] == "all_to_all"] == [("all_to_all", e * cap * h * BF16, "ep")] * 2
+
+
+class _MlpBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class _Mlp(nn.Module):
+    """Not a preset: an input layer, ``n`` residual MLP blocks in ``layers``, a 4-class head."""
+
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(d, d), nn.Linear(d, 4)
+        self.layers = nn.ModuleList(_MlpBlock(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.layers:
+            x = block(x)
+        return self.out(x)
+
+
+def _fsdp2_defaults(model: nn.Module, mesh) -> nn.Module:  # noqa: ANN001
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # FSDP2's defaults: the root stays unsharded after forward
+    return model
+
+
+@pytest.mark.parametrize("optimizer", [None, default_optimizer])
+def test_fsdp2_default_root_is_gathered_every_step(optimizer) -> None:  # noqa: ANN001
+    # By hand, d=16, fp32: a block is fc1 16·32+32 = 544 plus fc2 32·16+16 = 528 → 1072
+    # parameters; the root owns inp 16·16+16 = 272 and out 16·4+4 = 68 → 340.
+    d, layers = 16, 3
+    block_bytes, root_bytes = 1072 * 4, 340 * 4
+    spec = ModelSpec(
+        name="mlp", key="mlp", n_layers=layers, build=lambda n: _Mlp(d, n),
+        make_inputs=lambda b: ((torch.randn(b, d),), torch.randint(0, 4, (b,))),
+        loss=lambda out, labels: F.cross_entropy(out.float(), labels),
+    )
+    t = trace_step(spec, _fsdp2_defaults, {"dp_shard": 2}, batch_size=B, dtype=torch.float32, optimizer=optimizer)
+    coll = t.summary().collectives
+    # steady state: backward resharded the root, so forward gathers it again with every block
+    fwd = coll[("all_gather", "dp_shard", "forward")]
+    assert (fwd.count, fwd.bytes) == (layers + 1, layers * block_bytes + root_bytes)
+    # the root stays gathered from forward into backward; only the blocks are gathered again
+    bwd = coll[("all_gather", "dp_shard", "backward")]
+    assert (bwd.count, bwd.bytes) == (layers, layers * block_bytes)
+    rs = coll[("reduce_scatter", "dp_shard", "backward")]
+    assert (rs.count, rs.bytes) == (layers + 1, layers * block_bytes + root_bytes)
+
+
+def test_warm_up_leaves_no_gradients_behind() -> None:
+    # A plain model's first step is already its steady state: the warm-up may change nothing
+    # in the traced step (gradients left from it would add an accumulation per parameter).
+    spec = ModelSpec(
+        name="mlp", key="mlp", n_layers=2, build=lambda n: _Mlp(16, n),
+        make_inputs=lambda b: ((torch.randn(b, 16),), torch.randint(0, 4, (b,))),
+        loss=lambda out, labels: F.cross_entropy(out.float(), labels),
+    )
+    warm, cold = (trace_step(spec, None, {}, batch_size=B, optimizer=None, warm_up=w).summary() for w in (True, False))
+    assert warm.op_counts == cold.op_counts
+    # 6 linears (inp, 2 × fc1/fc2, out): 6 addmm forward; backward 6 weight-gradient mm and 5
+    # input-gradient mm (the model's input needs none); adds: 2 residuals, 2 gradient sums
+    assert (warm.op_counts["aten.addmm.default"], warm.op_counts["aten.mm.default"]) == (6, 11)
+    assert warm.op_counts["aten.add.Tensor"] == 4

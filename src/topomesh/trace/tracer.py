@@ -9,8 +9,8 @@
 2. the model built under ``FakeTensorMode`` with the default dtype set to the training
    dtype (``.to(dtype)`` cannot swap fake parameters), then the user's ``parallelize(model,
    mesh)`` — outside fake mode, because mesh bookkeeping runs real ops on rank tables;
-3. a warm-up (no-grad forward, zero-gradient optimizer step, eagerly on fake tensors) so the
-   trace shows a steady-state step, then ``make_fx`` of forward + loss + backward + optimizer
+3. a warm-up (one whole step: forward, backward, optimizer step, eagerly on fake tensors)
+   so the trace shows a steady-state step, then ``make_fx`` of forward + loss + backward + optimizer
    step; DTensor dispatch runs inside
    the trace, so the graph holds local-shard ops and the collectives DTensor, FSDP2 and
    expert parallel issue;
@@ -259,9 +259,9 @@ def trace_step(
     ``n_layers`` blocks are built (default: the real depth); with ``split_blocks`` each block's
     records form their own segments, so a one-block trace composes deeper models
     (:meth:`Trace.compose`).
-    With ``warm_up`` a no-grad forward and a zero-gradient optimizer step run first (eagerly,
-    on fake tensors), so the trace shows a steady-state step without first-step lazy
-    initialization. Raises :class:`TraceError` naming the op and the reason when the model
+    With ``warm_up`` one whole step runs first (eagerly, on fake tensors), so the trace shows
+    a steady-state step: no first-step lazy initialization, optimizer state present, FSDP2's
+    root resharded by backward as in every later step. Raises :class:`TraceError` naming the op and the reason when the model
     does not trace.
     """
     axes = normalize_layout(layout)
@@ -292,7 +292,7 @@ def trace_step(
                 if cp:
                     inputs, labels = _cp_inputs(spec, mesh, inputs, labels)
                 if warm_up:
-                    _warm_up(model, inputs, optimizers)
+                    _warm_up(step, model, inputs, labels)
                 gm = make_fx(step)(inputs, labels)
         except TopomeshError:
             raise
@@ -331,19 +331,22 @@ def _optimizers(
 
 
 def _warm_up(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], optimizers: list[tuple[int | None, torch.optim.Optimizer]]
+    step: Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor],
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
 ) -> None:
-    """Run what a real job does once, before the steady-state step the trace should show:
-    lazy initialization in the first forward (FSDP2 builds its views there) and the
-    optimizer's state (AdamW's moments). Runs eagerly on fake tensors."""
-    with torch.no_grad():
-        model(*inputs)
-    for _, opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    """Run one whole step (forward, loss, backward, optimizer step) eagerly on fake tensors,
+    then drop the gradients, so the traced step is a steady-state one.
+
+    A first step differs from the rest: lazy initialization in the first forward (FSDP2
+    builds its views there), the optimizer's state (AdamW's moments) created in the first
+    update, and FSDP2's root, which keeps its parameters unsharded after forward with its
+    default ``reshard_after_forward`` and is resharded only at the end of backward. A
+    forward-only warm-up left the root unsharded, and the traced step lost its all-gather.
+    """
+    step(inputs, labels)
+    model.zero_grad(set_to_none=True)
 
 
 def _step_fn(
