@@ -52,20 +52,39 @@ def test_node_roundtrip_and_real_host_size(dgx: Host) -> None:
     ("mutate", "why"),
     [
         (lambda d: b"x" * (ex.MAX_NODE_BYTES + 1), "more than the limit of 1048576"),
-        (lambda d: b"\xff\xfe", "not UTF-8 JSON"),
+        (lambda d: b"\xff\xfe", "not UTF-8 (byte 0)"),
         (lambda d: b"[1, 2]", "expected a JSON object"),
         (lambda d: json.dumps({**d, "format": "other/9"}).encode(), "format is 'other/9'"),
         (lambda d: json.dumps({**d, "group_rank": 0}).encode(), "claims group rank 0"),
         (lambda d: json.dumps({**d, "workers": [[2, 0, "GPU9"]]}).encode(), "no device 'GPU9'"),
-        (lambda d: json.dumps({**d, "workers": [[-1, 0, None]]}).encode(), "global rank must be an integer >= 0"),
+        (lambda d: json.dumps({**d, "workers": [[-1, 0, None]]}).encode(), "global rank must be an integer from 0 to 2147483647, got -1"),
         (lambda d: json.dumps({**d, "restart_count": "1"}).encode(), "restart_count must be an integer"),
-        (lambda d: json.dumps({**d, "hostname": ""}).encode(), "hostname must be a non-empty string"),
+        (lambda d: json.dumps({**d, "hostname": ""}).encode(), "hostname must be a non-empty printable string"),
         (lambda d: json.dumps({**d, "host_class": "0" * 32}).encode(), "which nobody published"),
         (lambda d: json.dumps({**d, "local_measured": [["GPU0", "GPU9", 5.0, 100.0]]}).encode(), "no device 'GPU9'"),
         (lambda d: json.dumps({**d, "local_measured": [["GPU0", "GPU1", 5.0, -1.0]]}).encode(),
          "impossible local_measured row"),
         (lambda d: json.dumps({**d, "local_measured": [["GPU0", 5.0]]}).encode(), "is not [device_a, device_b"),
         (lambda d: json.dumps({**d, "local_measured": {}}).encode(), "local_measured must be a list"),
+        # hostile entries (issue 8): each was a traceback in the leader or a file nobody could read
+        (lambda d: b'{"workers": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "JSON nested too deeply"),
+        (lambda d: json.dumps({**d, "restart_count": 10**299}).encode(), "an integer of 300 digits (at most 20"),
+        (lambda d: json.dumps({**d, "restart_count": 2**31}).encode(),
+         "restart_count must be an integer from 0 to 2147483647, got 2147483648"),
+        (lambda d: json.dumps({**d, "restart_count": 1.0}).encode(), "restart_count must be an integer"),
+        (lambda d: json.dumps({**d, "workers": [[2, 0, "GPU0"], [3, 0, "GPU1"]]}).encode(),
+         "its 2 workers have local ranks [0, 0], not 0..1"),
+        (lambda d: json.dumps({**d, "workers": [[2, 0, "GPU0"], [2, 1, "GPU1"]]}).encode(),
+         "two of its workers have the same global rank"),
+        (lambda d: json.dumps({**d, "workers": [[2, 1, "GPU0"]]}).encode(), "local ranks [1], not 0..0"),
+        (lambda d: json.dumps(d).replace('"restart_count": 0', '"restart_count": 1e400').encode(),
+         "the number '1e400' is out of range"),
+        (lambda d: json.dumps({**d, "local_measured": [["GPU0", "GPU1", "5", 100.0]]}).encode(),
+         "latency_us must be a number, got '5'"),
+        (lambda d: json.dumps({**d, "hostname": "evil\x1b[2J"}).encode(), r"printable string of at most 255 characters, got 'evil\x1b[2J'"),
+        (lambda d: json.dumps({**d, "probe_addr": "10.0.0.1:" + "9" * 400}).encode(), "probe_addr '10.0.0.1:99999"),
+        (lambda d: json.dumps({**d, "probe_addr": "10.0.0.1:0"}).encode(), "with a port from 1 to 65535"),
+        (lambda d: json.dumps({**d, "workers": [["x" * 100_000, 0, None]]}).encode(), "got 'xxxx"),
     ],
 )
 def test_bad_node_entries_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
@@ -75,6 +94,7 @@ def test_bad_node_entries_are_rejected_naming_the_node(dgx: Host, mutate, why: s
     msg = str(info.value)
     assert msg.startswith("node 1 published a topology entry that was rejected"), msg
     assert why in msg, msg
+    assert len(msg) < 300 and "\n" not in msg  # one line, whatever the peer sent
 
 
 def _device_field(key: str, value: object):
@@ -93,7 +113,10 @@ def _device_field(key: str, value: object):
         (lambda d: json.dumps({**d, "paths": [{"a": "GPU0", "b": "GPU42", "kind": "PIX"}]}).encode(), "unknown endpoint 'GPU42'"),
         (_device_field("arch", ["sm90"]), "arch must be str"),
         (_device_field("index", "0"), "index must be int"),
-        (lambda d: json.dumps(d, separators=(",", ":")).replace('"speed_Gbps":400.0', '"speed_Gbps":NaN').encode(), "speed_Gbps must be"),
+        (lambda d: json.dumps(d, separators=(",", ":")).replace('"speed_Gbps":400.0', '"speed_Gbps":NaN').encode(),
+         "NaN is not a number JSON allows"),
+        (_device_field("index", 10**30), "an integer of 31 digits (at most 20 are accepted)"),
+        (lambda d: b"[" * 100_000, "JSON nested too deeply"),
     ],
 )
 def test_bad_host_descriptions_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
@@ -215,3 +238,39 @@ def test_leader_fetches_each_host_class_once(dgx: Host, monkeypatch: pytest.Monk
     ex.lead(store, "t", 2, timeout_s=1)
     assert fetched == [ex.host_class(dgx)[0]]
     assert [h.hostname for h in ex.fetch_world(store, "t", 1).hosts] == ["dgx-h100-8gpu-8ib", "node-b"]
+
+
+@pytest.mark.parametrize(
+    ("blob", "why"),
+    [
+        (b"[" * 200_000, "JSON nested too deeply"),
+        (b'{"restart_count": ' + b"9" * 300 + b"}", "an integer of 300 digits"),
+    ],
+)
+def test_hostile_entry_ends_every_node_with_one_line_naming_it(dgx: Host, blob: bytes, why: str) -> None:
+    store = dist.HashStore()
+    ex.publish_node(store, "t", _entry(dgx, 0))
+    store.set(ex.node_key("t", 1), blob)
+    expected = f"^node 1 published a topology entry that was rejected: {why}"
+    with pytest.raises(LaunchError, match=expected):
+        ex.lead(store, "t", 2, timeout_s=1)
+    with pytest.raises(LaunchError, match=expected):
+        ex.fetch_world(store, "t", timeout_s=1)
+
+
+def test_hostile_probe_results_and_world_documents_are_one_error(dgx: Host) -> None:
+    store = dist.HashStore()
+    store.set(ex.probe_key("t", 0), json.dumps({"peer": 1, "latency_us": 10**30, "bandwidth_GBps": 1.0}))
+    with pytest.raises(LaunchError, match=r"^node 0 .* malformed probe result \(an integer of 31 digits"):
+        ex.gather_probes(store, "t", 2, timeout_s=1)
+    store.set(ex.probe_key("t", 0), b"[" * 4000)
+    with pytest.raises(LaunchError, match=r"^node 0 .* malformed probe result \(JSON nested too deeply\)"):
+        ex.gather_probes(store, "t", 2, timeout_s=1)
+    doc = json.loads(zlib.decompress(ex.assemble_world([_entry(dgx, 0)])))
+    # a global rank of 2**31 - 1 would have been a list of two billion slots
+    far = {**doc, "nodes": [{**doc["nodes"][0], "workers": [[0, 0, "GPU0"], [2**31 - 1, 1, "GPU1"]]}]}
+    with pytest.raises(LaunchError, match="^the world document from node 0 is malformed .*global ranks have gaps"):
+        ex.decode_world(zlib.compress(json.dumps(far).encode()))
+    assert len(zlib.decompress(ex.error_document("x" * 10_000))) < 2100  # the leader publishes it bounded
+    with pytest.raises(LaunchError, match=r"^x{2000}$"):
+        ex.decode_world(ex.error_document("x" * 10_000))

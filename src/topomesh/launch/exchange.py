@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,14 @@ MAX_NODE_BYTES = 1 << 20
 H100 host (8 GPUs, 2 sockets, 8 IB NICs, 108 paths) is about 10 KB."""
 MAX_WORLD_BYTES = 256 << 20
 """Largest world document, decompressed (256 MiB); 2,048 8-GPU nodes are a few MB."""
+MAX_INT = 2**31 - 1
+"""Largest rank, local rank, node index or restart count accepted from a peer: torch's
+ranks are 32-bit, and a restart count goes into a file name."""
+MAX_INT_DIGITS = 20
+"""Longest integer literal parsed from a peer's JSON; longer ones are refused before
+``int()`` sees them (a 5,000-digit literal costs time and trips Python's digit limit)."""
+MAX_SHOWN = 120
+"""Longest excerpt of a peer's value quoted in an error message (characters)."""
 
 
 class KeyValueStore(Protocol):
@@ -150,10 +159,71 @@ def _node_error(group_rank: int, why: str) -> LaunchError:
     return LaunchError(f"node {group_rank} published a topology entry that was rejected: {why}")
 
 
-def _int(value: Any, what: str, *, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+def _show(value: Any) -> str:
+    """``repr(value)`` cut to :data:`MAX_SHOWN` characters, for error messages (a peer's
+    value can be a megabyte long; repr escapes control characters)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deep>"
+    return text if len(text) <= MAX_SHOWN else f"{text[: MAX_SHOWN - 3]}..."
+
+
+def _int(value: Any, what: str, *, low: int = 0, high: int = MAX_INT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} must be an integer from {low} to {high}, got {_show(value)}")
     return value
+
+
+def _number(value: Any, what: str) -> float:
+    """A JSON number (not a bool, not a string) as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{what} must be a number, got {_show(value)}")
+    return float(value)
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS} are accepted)")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {_show(text)} is out of range")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number JSON allows")
+
+
+def loads_peer(blob: bytes) -> Any:
+    """Parse JSON that another node wrote, with bounded cost and only finite numbers.
+
+    The caller has already checked the size. Integer literals longer than
+    :data:`MAX_INT_DIGITS` digits, ``NaN``/``Infinity`` and floats that overflow are
+    refused; nesting deeper than the parser's recursion limit is refused instead of
+    raising ``RecursionError``. Every refusal is a ``ValueError`` with the reason.
+
+    >>> loads_peer(b'{"a": [1, 2.5]}')
+    {'a': [1, 2.5]}
+    >>> loads_peer(b"[" * 100_000)
+    Traceback (most recent call last):
+    ...
+    ValueError: JSON nested too deeply
+    """
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
 
 
 class HostClasses:
@@ -171,7 +241,7 @@ class HostClasses:
         if hashlib.sha256(body).hexdigest()[:32] != digest_:
             raise _node_error(group_rank, f"its host description does not match its digest {digest_!r}")
         try:
-            raw = json.loads(body.decode("utf-8"))
+            raw = loads_peer(body)
             if not isinstance(raw, dict):
                 raise ValueError("the host description is not a JSON object")
             # from_dict checks every field's JSON type, so a peer cannot smuggle in a
@@ -179,7 +249,7 @@ class HostClasses:
             host = Host.from_dict({**raw, "hostname": "class"}, source=f"node {group_rank}")
         except TopologyError as exc:
             raise _node_error(group_rank, exc.reason) from None
-        except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             raise _node_error(group_rank, f"malformed host description ({exc})") from None
         self._hosts[digest_] = host
         return host
@@ -204,21 +274,18 @@ def decode_node(
     if len(blob) > max_bytes:
         raise _node_error(group_rank, f"it is {len(blob)} bytes, more than the limit of {max_bytes}")
     try:
-        doc = json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _node_error(group_rank, f"not UTF-8 JSON ({exc})") from None
-    try:
+        doc = loads_peer(blob)
         if not isinstance(doc, dict):
             raise ValueError("expected a JSON object")
         if doc.get("format") != NODE_FORMAT:
-            raise ValueError(f"format is {doc.get('format')!r}, expected {NODE_FORMAT!r}")
+            raise ValueError(f"format is {_show(doc.get('format'))}, expected {NODE_FORMAT!r}")
         if doc.get("group_rank") != group_rank:
-            raise ValueError(f"it claims group rank {doc.get('group_rank')!r}")
+            raise ValueError(f"it claims group rank {_show(doc.get('group_rank'))}")
         name, digest_ = doc.get("hostname"), doc.get("host_class")
-        if not isinstance(name, str) or not name or len(name) > 255:
-            raise ValueError(f"hostname must be a non-empty string, got {name!r}")
+        if not isinstance(name, str) or not name or len(name) > 255 or not name.isprintable():
+            raise ValueError(f"hostname must be a non-empty printable string of at most 255 characters, got {_show(name)}")
         if not isinstance(digest_, str):
-            raise ValueError(f"host_class must be a string, got {digest_!r}")
+            raise ValueError(f"host_class must be a string, got {_show(digest_)}")
         host = classes.get(digest_, group_rank=group_rank).renamed(name)
         raw_workers = doc.get("workers")
         if not isinstance(raw_workers, list) or not raw_workers:
@@ -226,32 +293,47 @@ def decode_node(
         workers = []
         for w in raw_workers:
             if not isinstance(w, list) or len(w) != 3:
-                raise ValueError(f"worker {w!r} is not [global_rank, local_rank, device]")
+                raise ValueError(f"worker {_show(w)} is not [global_rank, local_rank, device]")
             dev = w[2]
             if dev is not None:
                 if not isinstance(dev, str):
-                    raise ValueError(f"device {dev!r} is not a string")
+                    raise ValueError(f"device {_show(dev)} is not a string")
                 host.device(dev)
             workers.append(
                 WorkerSlot(
                     global_rank=_int(w[0], "global rank"), local_rank=_int(w[1], "local rank"), device=dev
                 )
             )
-        probe = doc.get("probe_addr")
-        if probe is not None and not isinstance(probe, str):
-            raise ValueError(f"probe_addr {probe!r} is not a string")
+        # torchrun numbers a node's workers 0..n-1; the file's reader refuses anything else
+        local = sorted(w.local_rank for w in workers)
+        if local != list(range(len(workers))):
+            raise ValueError(f"its {len(workers)} workers have local ranks {_show(local)}, not 0..{len(workers) - 1}")
+        if len({w.global_rank for w in workers}) != len(workers):
+            raise ValueError("two of its workers have the same global rank")
         return NodeEntry(
             group_rank=group_rank,
             host=host,
             workers=tuple(workers),
             restart_count=_int(doc.get("restart_count"), "restart_count"),
-            probe_addr=probe,
+            probe_addr=_probe_addr(doc.get("probe_addr")),
             local_measured=_local_rows(doc.get("local_measured", []), host),
         )
     except TopologyError as exc:
         raise _node_error(group_rank, exc.reason) from None
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         raise _node_error(group_rank, str(exc)) from None
+
+
+def _probe_addr(raw: Any) -> str | None:
+    """``host:port`` of a peer's probe server, checked so that connecting cannot fail oddly."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or len(raw) > 300:
+        raise ValueError(f"probe_addr {_show(raw)} is not a host:port string")
+    host, _, port = raw.rpartition(":")
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"probe_addr {_show(raw)} is not host:port with a port from 1 to 65535")
+    return raw
 
 
 def _local_rows(raw: Any, host: Host) -> tuple[tuple[str, str, float, float], ...]:
@@ -261,12 +343,12 @@ def _local_rows(raw: Any, host: Host) -> tuple[tuple[str, str, float, float], ..
     rows = []
     for row in raw:
         if not isinstance(row, list) or len(row) != 4 or not all(isinstance(d, str) for d in row[:2]):
-            raise ValueError(f"local_measured row {row!r} is not [device_a, device_b, latency_us, bandwidth_GBps]")
+            raise ValueError(f"local_measured row {_show(row)} is not [device_a, device_b, latency_us, bandwidth_GBps]")
         a, b = row[0], row[1]
         host.device(a), host.device(b)
-        lat, bw = float(row[2]), float(row[3])
+        lat, bw = _number(row[2], "latency_us"), _number(row[3], "bandwidth_GBps")
         if not (0 < lat < 1e9 and 0 < bw < 1e6):
-            raise ValueError(f"impossible local_measured row {row!r}")
+            raise ValueError(f"impossible local_measured row {_show(row)}")
         rows.append((a, b, lat, bw))
     return tuple(rows)
 
@@ -325,9 +407,13 @@ def assemble_world(entries: Sequence[NodeEntry], measured: Sequence[Sequence[Any
     return zlib.compress(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode(), 6)
 
 
+MAX_ERROR_CHARS = 2000
+"""Longest error sentence the leader publishes or a node repeats from it."""
+
+
 def error_document(message: str) -> bytes:
     """What the leader publishes instead of a world when an entry was rejected."""
-    return zlib.compress(json.dumps({"format": WORLD_FORMAT, "error": message}).encode())
+    return zlib.compress(json.dumps({"format": WORLD_FORMAT, "error": message[:MAX_ERROR_CHARS]}).encode())
 
 
 def decode_world(blob: bytes, *, max_bytes: int = MAX_WORLD_BYTES) -> World:
@@ -337,36 +423,40 @@ def decode_world(blob: bytes, *, max_bytes: int = MAX_WORLD_BYTES) -> World:
         raw = d.decompress(blob, max_bytes)
         if d.unconsumed_tail:
             raise LaunchError(f"the world document from node 0 is larger than {max_bytes} bytes")
-        doc = json.loads(raw)
-    except (zlib.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = loads_peer(raw)
+    except (zlib.error, ValueError) as exc:
         raise LaunchError(f"the world document from node 0 is unreadable ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != WORLD_FORMAT:
         raise LaunchError("the world document from node 0 has an unknown format")
     if "error" in doc:
-        raise LaunchError(str(doc["error"]))
+        raise LaunchError(str(doc["error"])[:MAX_ERROR_CHARS])
     try:
         classes = [Host.from_dict({**c, "hostname": "class"}, source="world") for c in doc["classes"]]
         hosts: list[Host] = []
-        ranks: list[RankInfo | None] = []
+        slots: list[tuple[int, int, int, str | None]] = []
         local_rows: dict[int, tuple[tuple[str, str, float, float], ...]] = {}
         for h, node in enumerate(doc["nodes"]):
-            base = classes[node["class"]]
+            base = classes[_int(node["class"], "class")]
             hosts.append(base.renamed(str(node["hostname"])))
             if node.get("local_measured"):
                 local_rows[h] = _local_rows(node["local_measured"], base)
             for g, local, dev in node["workers"]:
-                ranks.extend([None] * (g + 1 - len(ranks)))
-                ranks[g] = RankInfo(rank=g, host=h, local_rank=local, device=dev)
-        if any(r is None for r in ranks):
+                slots.append((_int(g, "global rank"), h, _int(local, "local rank"), dev))
+        slots.sort()
+        if [s[0] for s in slots] != list(range(len(slots))):
             raise ValueError("global ranks have gaps")
-        measured = {(int(a), int(b)): (float(lat), float(bw)) for a, b, lat, bw in doc["measured"]}
+        ranks = [RankInfo(rank=g, host=h, local_rank=local, device=dev) for g, h, local, dev in slots]
+        measured = {
+            (_int(a, "node"), _int(b, "node")): (_number(lat, "latency_us"), _number(bw, "bandwidth_GBps"))
+            for a, b, lat, bw in doc["measured"]
+        }
         for a, b in measured:
             if not 0 <= a < b < len(hosts):
                 raise ValueError(f"measured node pair ({a}, {b}) is not two nodes in order")
         return World(
             hosts=tuple(hosts),
-            ranks=tuple(r for r in ranks if r is not None),
-            restart_count=int(doc["restart_count"]),
+            ranks=tuple(ranks),
+            restart_count=_int(doc["restart_count"], "restart_count"),
             measured=measured,
             local_measured=local_rows,
         )
@@ -439,15 +529,17 @@ def gather_probes(store: KeyValueStore, ns: str, world_size: int, timeout_s: flo
         if len(raw) > 4096:
             raise _node_error(g, f"its probe result is {len(raw)} bytes, more than 4096")
         try:
-            res = json.loads(raw)
-            peer = _int(res["peer"], "peer")
+            res = loads_peer(raw)
+            if not isinstance(res, dict):
+                raise ValueError("not a JSON object")
+            peer = _int(res.get("peer"), "peer")
             if "latency_us" not in res:
                 continue
-            lat, bw = float(res["latency_us"]), float(res["bandwidth_GBps"])
-        except (ValueError, KeyError, TypeError) as exc:
+            lat, bw = _number(res["latency_us"], "latency_us"), _number(res.get("bandwidth_GBps"), "bandwidth_GBps")
+        except (ValueError, TypeError) as exc:
             raise _node_error(g, f"malformed probe result ({exc})") from None
         if peer >= world_size or peer == g or not (0 < lat < 1e9 and 0 < bw < 1e6):
-            raise _node_error(g, f"impossible probe result {res!r}")
+            raise _node_error(g, f"impossible probe result {_show(res)}")
         key = (min(g, peer), max(g, peer))
         rows.setdefault(key, [key[0], key[1], round(lat, 3), round(bw, 3)])
     return [rows[k] for k in sorted(rows)]
