@@ -42,6 +42,35 @@ class Segment:
     """Work for this block issued before it, from a REST segment (e.g. FSDP's backward
     all-gather of the block that runs first in backward, issued by the head). The records
     stay in that REST segment; a one-block trace repeats them for every further block."""
+    saved_bytes: int = 0
+    """Forward segments: bytes of the tensors this segment computes from the step's inputs
+    that backward reads — the activations one micro-batch keeps alive between its forward
+    and its backward (tensors sharing storage counted once; parameters and their views
+    excluded). 0 for other phases."""
+    peak_output_bytes: int = 0
+    """Bytes of the largest single tensor an op of this segment produces (transient memory)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateBytes:
+    """Training state one rank holds for a set of parameters (local shards), bytes."""
+
+    params: int = 0
+    grads: int = 0
+    """Gradients as the optimizer sees them (the parameter's dtype and sharding)."""
+    optimizer: int = 0
+    """Optimizer state measured after a step (AdamW: two moments per parameter)."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def __add__(self, other: StateBytes) -> StateBytes:
+        return StateBytes(params=self.params + other.params, grads=self.grads + other.grads,
+                          optimizer=self.optimizer + other.optimizer)
+
+    def __mul__(self, k: int) -> StateBytes:
+        return StateBytes(params=self.params * k, grads=self.grads * k, optimizer=self.optimizer * k)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +130,14 @@ class Trace:
     segments: tuple[Segment, ...]
     unknown_ops: tuple[str, ...] = ()
     """Names of ops the cost model has no rule for (counted in :meth:`summary`)."""
+    block_state: StateBytes = StateBytes()
+    """Parameters, gradients and optimizer state of one traced block on this rank (the
+    average over the traced blocks)."""
+    first_state: StateBytes = StateBytes()
+    """State of the parameters outside the blocks that a pipeline's first stage holds
+    (embedding modules)."""
+    last_state: StateBytes = StateBytes()
+    """State of the other parameters outside the blocks (final norm, output head): the last stage's."""
     trace_s: float = dataclasses.field(default=0.0, compare=False)
     """Wall time of the trace that produced this object."""
 

@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +60,7 @@ from topomesh.layout.dims import Axis
 from topomesh.models.transformer import Transformer, TransformerConfig
 from topomesh.trace.convert import GroupTable, is_known, node_record
 from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
-from topomesh.trace.result import Part, Segment, Trace
+from topomesh.trace.result import Part, Segment, StateBytes, Trace
 
 ParallelizeFn = Callable[[nn.Module, "dist.device_mesh.DeviceMesh"], "nn.Module | None"]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -299,6 +299,7 @@ def trace_step(
         except Exception as exc:
             raise _trace_error(spec, "forward, backward and optimizer step", exc) from exc
         segments, unknown = _segments(gm, markers, GroupTable(mesh))
+        block_state, first_state, last_state = _state_bytes(model, blocks, optimizers)
     return Trace(
         model=spec.name,
         layout=axes,
@@ -308,8 +309,45 @@ def trace_step(
         n_layers=depth,
         segments=segments,
         unknown_ops=unknown,
+        block_state=block_state,
+        first_state=first_state,
+        last_state=last_state,
         trace_s=time.perf_counter() - start,
     )
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def _state_bytes(
+    model: nn.Module, blocks: Sequence[nn.Module], optimizers: list[tuple[int | None, torch.optim.Optimizer]]
+) -> tuple[StateBytes, StateBytes, StateBytes]:
+    """Training state on this rank: per block (averaged over the traced blocks), for the
+    embedding modules outside the blocks (a pipeline's first stage) and for the other
+    parameters outside the blocks (the last stage). Gradients take the parameter's size;
+    optimizer state is what the optimizers hold after the traced step."""
+    states: dict[int, int] = {}
+    for _, opt in optimizers:
+        for p, st in opt.state.items():
+            states[id(p)] = sum(_local_bytes(v) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    def total(params: Iterable[nn.Parameter]) -> StateBytes:
+        ps = {id(p): p for p in params if p.requires_grad}
+        nbytes = sum(_local_bytes(p) for p in ps.values())
+        return StateBytes(params=nbytes, grads=nbytes, optimizer=sum(states.get(i, 0) for i in ps))
+
+    in_block = {id(p) for b in blocks for p in b.parameters()}
+    first = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters() if id(p) not in in_block]
+    first_ids = {id(p) for p in first}
+    last = [p for p in model.parameters() if id(p) not in in_block and id(p) not in first_ids]
+    per_block = total(p for b in blocks for p in b.parameters())
+    n = max(len(blocks), 1)
+    block = StateBytes(params=per_block.params // n, grads=per_block.grads // n, optimizer=per_block.optimizer // n)
+    return block, total(first), total(last)
 
 
 def _optimizers(
@@ -413,13 +451,15 @@ def _segments(
             if not isinstance(rec, CollectiveRecord) and not is_known(node.target):
                 unknown.add(rec.op)
     prefetch = _prefetches(gm, where, keys, records)
+    saved, peak = _liveness(gm, where, keys)
     events: list[list] = [[] for _ in keys]
     for node, rec in records.items():
         events[where[node]].append(rec)
     segments = tuple(
         Segment(
             part=Part.REST if lay is None else Part.BLOCK, phase=ph, layer=lay,
-            events=tuple(ev), prefetch=prefetch.get(i, ()),
+            events=tuple(ev), prefetch=prefetch.get(i, ()), saved_bytes=saved.get(i, 0),
+            peak_output_bytes=peak.get(i, 0),
         )
         for i, ((ph, lay), ev) in enumerate(zip(keys, events, strict=True))
         if ev
@@ -468,6 +508,45 @@ def _prefetches(
         out.setdefault(blocks.pop(), []).extend(unit)
     order = _order(gm)
     return {i: tuple(records[n] for n in sorted(set(nodes), key=order) if n in records) for i, nodes in out.items()}
+
+
+def _liveness(
+    gm: torch.fx.GraphModule, where: Mapping[torch.fx.Node, int], keys: Sequence[tuple[Phase, int | None]]
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Per segment index: bytes kept for backward, and the largest tensor an op produces.
+
+    A tensor is kept for backward when a forward node computed from the step's inputs
+    (placeholders; parameters enter as constants, so weights and their transposes are not
+    activations) has a user in the backward phase. Views share their base's storage and are
+    counted once, by storage, in the segment that first keeps it.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from_input: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a in from_input for a in node.all_input_nodes):
+            from_input.add(node)
+    owner: dict[object, tuple[int, int]] = {}  # storage -> (segment that first keeps it, bytes)
+    peak: dict[int, int] = {}
+
+    def tensors(val: object) -> list[torch.Tensor]:
+        return [t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+
+    for node, seg in where.items():
+        vals = tensors(node.meta.get("val"))
+        if not vals or node.op == "placeholder":
+            continue
+        peak[seg] = max(peak.get(seg, 0), max(t.untyped_storage().nbytes() for t in vals))
+        if keys[seg][0] is not Phase.FORWARD or node not in from_input:
+            continue
+        if any(keys[where[u]][0] is Phase.BACKWARD for u in node.users):
+            for t in vals:
+                st = t.untyped_storage()
+                owner.setdefault(StorageWeakRef(st).cdata, (seg, st.nbytes()))
+    saved: dict[int, int] = {}
+    for seg, nbytes in owner.values():
+        saved[seg] = saved.get(seg, 0) + nbytes
+    return saved, peak
 
 
 def _order(gm: torch.fx.GraphModule) -> Callable[[torch.fx.Node], int]:
