@@ -47,3 +47,8 @@ class CalibrationError(TopomeshError, RuntimeError):
 class ModelConfigError(TopomeshError, ValueError):
     """A model configuration is inconsistent (e.g. heads do not divide hidden) or a preset
     is unknown."""
+
+
+class ClusterError(TopomeshError, ValueError):
+    """A cluster is unknown or cannot be built: a preset name, a --gpus count, a device,
+    or a local cluster without the measurements it needs."""

@@ -268,6 +268,94 @@ def collective_time_s(record: CollectiveRecord, link: Connection | LinkKind, pro
     return model.time_s(record.group_size, float(record.bytes), conn.bandwidth_GBps)
 
 
+def inter_steps(kind: CollectiveKind, nodes: int) -> int:
+    """Ring steps NCCL charges at the network latency when a group spans ``nodes`` nodes
+    (tuning.cc ``nInterSteps``; 1 for send/recv, which crosses the network once).
+
+    >>> inter_steps(CollectiveKind.ALL_REDUCE, 4), inter_steps(CollectiveKind.ALL_GATHER, 4)
+    (8, 3)
+    """
+    if nodes <= 1:
+        return 0
+    if kind is CollectiveKind.ALL_REDUCE:
+        return 2 * nodes
+    if kind is CollectiveKind.SEND_RECV:
+        return 1
+    if kind is CollectiveKind.BROADCAST:
+        return nodes
+    return nodes - 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TreeConstants:
+    """NCCL's tree all-reduce constants (``data/nccl_hierarchy.json``), per protocol."""
+
+    base_us: Mapping[str, float]
+    intra_hop_us: Mapping[str, Mapping[str, float]]
+    """Per intra-node hardware class (``NVLink``, ``PCI``), per protocol."""
+    inter_hop_us: Mapping[str, float]
+    busbw_scale: Mapping[str, float]
+    algbw_ratio: float
+
+
+@cache
+def tree_constants() -> TreeConstants:
+    raw = json.loads(resources.files("topomesh.cost").joinpath("data/nccl_hierarchy.json").read_text())
+    return TreeConstants(base_us=raw["tree_base_us"], intra_hop_us=raw["tree_intra_hop_us"],
+                         inter_hop_us=raw["tree_inter_hop_us"], busbw_scale=raw["tree_busbw_scale"],
+                         algbw_ratio=float(raw["tree_algbw_ratio"]))
+
+
+def hierarchical_time_s(record: CollectiveRecord, *, inter_kind: LinkKind, intra_kind: LinkKind, nodes: int,
+                        ranks_per_node: int, network_GBps: float, profile: CollectiveProfile) -> float:
+    """Seconds one collective takes on a group spanning ``nodes`` nodes, NCCL-like; pure.
+
+    ``network_GBps`` is the bus bandwidth the group gets from the network (a rail share,
+    :class:`topomesh.cost.cluster.AxisLink`). The fastest of:
+
+    * a ring per term (protocol) of the profile's ``inter_kind`` model: the term's base
+      latency, :func:`inter_steps` hops at its (network) hop latency and the remaining
+      :func:`ring_steps` at the hop latency of the ``intra_kind`` model's term of the same
+      index (protocols pair up by position, LL then Simple in the shipped profiles), plus
+      ``bus_factor × bytes / (busbw × bw_scale)`` with busbw = the term's own, else ``network_GBps``;
+    * for all-reduce, NCCL's tree (LL and Simple, :func:`tree_constants`): latency
+      ``base + 2·((ranks_per_node − 1)·intra_hop + ⌊log2 nodes⌋·inter_hop)``, bandwidth
+      ``bytes / (ratio · scale · busbw)`` with busbw the best ring term's.
+
+    DGX A100, all-reduce of 1 GiB over 4 nodes, 1 rank per node, one 25 GB/s HDR rail
+    each, ``nccl-dgx-a100`` (IB Simple term: 8.4 µs + 14 µs per step, 0.96 of the rail):
+    ring 8.4 + 6 × 14 = 92.4 µs + 1.5 × 2³⁰ B / 24 GB/s = 67.2013 ms.
+    """
+    n = record.group_size
+    if n <= 1:
+        return 0.0
+    if nodes <= 1:
+        raise CalibrationError(f"hierarchical_time_s prices groups spanning nodes; got {nodes} node(s)")
+    inter = profile.model(record.kind, inter_kind)
+    intra = profile.model(record.kind, intra_kind) if ranks_per_node > 1 else None
+    nbytes = float(record.bytes)
+    steps = ring_steps(record.kind, n)
+    net_steps = min(inter_steps(record.kind, nodes), steps)
+    factor = bus_factor(record.kind, n)
+    best = float("inf")
+    best_bw = 0.0
+    for i, term in enumerate(inter.terms):
+        bw = (term.busbw_GBps if term.busbw_GBps is not None else network_GBps) * term.bw_scale
+        intra_hop = intra.terms[min(i, len(intra.terms) - 1)].hop_us if intra is not None else 0.0
+        lat_us = term.alpha_us + net_steps * term.hop_us + (steps - net_steps) * intra_hop
+        best = min(best, lat_us * 1e-6 + factor * nbytes / (bw * 1e9))
+        best_bw = max(best_bw, bw)
+    if record.kind is CollectiveKind.ALL_REDUCE:
+        tc = tree_constants()
+        hw = "NVLink" if intra_kind.is_nvlink or intra_kind is LinkKind.LOC else "PCI"
+        for proto, base in tc.base_us.items():
+            lat_us = base + 2 * ((ranks_per_node - 1) * tc.intra_hop_us[hw][proto]
+                                 + (nodes.bit_length() - 1) * tc.inter_hop_us[proto])
+            algbw = best_bw * tc.busbw_scale[proto] * tc.algbw_ratio
+            best = min(best, lat_us * 1e-6 + nbytes / (algbw * 1e9))
+    return best
+
+
 # ------------------------------------------------------------------ fitting
 
 

@@ -1,0 +1,517 @@
+"""Clusters: the world a layout is simulated on — topology, device spec, collective profile.
+
+A :class:`Cluster` is a :class:`~topomesh.topology.model.Topology` (the same model the
+runtime writes, so placement and link lookup are the real ones), the
+:class:`~topomesh.cost.devices.DeviceSpec` of its ranks and the
+:class:`~topomesh.cost.collectives.CollectiveProfile` that prices its collectives.
+
+* Presets (``data/clusters/*.json``, every number cited there): ``dgx-a100-80gb``,
+  ``dgx-h100``, ``dgx-h200`` — one node built with :func:`build_topology` and repeated to
+  ``gpus`` ranks — and ``local``: this machine, measured (:func:`load_cluster`).
+* Any file ``topomesh show`` reads, with the device by name or detected
+  (:func:`cluster_from_topology`).
+
+:func:`axis_link` says what the groups of one mesh axis (or of several flattened axes)
+cross on the placed layout: the slowest link kind, how many nodes a group spans, how many
+of its members share a node, and the bandwidth the group gets. Inside a node that is the
+link's bandwidth; across nodes it is the rail share — every group of the axis runs the
+same collective at once, so the ranks of a node share its NICs::
+
+    bandwidth = NIC line rate × NICs per node × ranks_per_node / ranks on the node
+
+(DGX A100, 8 × 25 GB/s HDR, 8 ranks per node: a dp group with one rank per node gets one
+NIC, 25 GB/s; a group with all 8 ranks of each node gets all 8 NICs, 200 GB/s.)
+:func:`group_collective_time_s` prices a collective on such a group.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from topomesh.cost.collectives import (
+    CollectiveProfile,
+    builtin_profile,
+    builtin_profile_names,
+    collective_time_s,
+    hierarchical_time_s,
+    load_profile,
+    profile_from_dict,
+)
+from topomesh.cost.devices import (
+    DeviceSpec,
+    builtin_specs,
+    cache_dir,
+    cpu_spec,
+    device_by_fingerprint,
+    device_spec,
+)
+from topomesh.errors import CalibrationError, ClusterError
+from topomesh.layout.dims import Axis
+from topomesh.layout.place import Placement
+from topomesh.topology.api import read_source
+from topomesh.topology.build import build_topology, default_placement
+from topomesh.topology.model import (
+    Connection,
+    Device,
+    DeviceKind,
+    Host,
+    LinkKind,
+    Nic,
+    NicKind,
+    RankInfo,
+    Topology,
+)
+from topomesh.topology.model import (
+    Path as HostPath,
+)
+
+GPUS_MAX = 1_048_576
+"""Largest world a cluster is built for (2^20 ranks)."""
+
+LOCAL = "local"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """A world to simulate on: topology, device, collective profile."""
+
+    name: str
+    topology: Topology
+    """The N-rank world, the model the runtime writes (``WORLD_TOPOLOGY_FILE``)."""
+    device: DeviceSpec
+    """The spec of every rank's device."""
+    profile: CollectiveProfile
+    """Prices collectives per link kind (with a fallback profile for kinds it lacks)."""
+    gpus_per_node: int
+    """Ranks on one node."""
+    source: str
+    """Where the cluster came from: the preset's data file, or the topology file."""
+    rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
+    """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
+    ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
+    """Per host: ranks placed on it."""
+
+    def __post_init__(self) -> None:
+        topo = self.topology
+        by_class: dict[tuple[int, int], int] = {}  # renamed hosts share these tuples
+        rails = np.ones(len(topo.hosts), dtype=np.int64)
+        for h, host in enumerate(topo.hosts):
+            key = (id(host.nics), id(host.paths))
+            if key not in by_class:
+                used = {host.nearest_nic(d.id) for d in host.gpus} - {None}
+                by_class[key] = max(1, len(used))
+            rails[h] = by_class[key]
+        object.__setattr__(self, "rail_nics", rails)
+        object.__setattr__(self, "ranks_on_host", np.bincount(topo.table.host_of, minlength=len(topo.hosts)))
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def nodes(self) -> int:
+        return len(self.topology.hosts)
+
+
+# ------------------------------------------------------------------ presets
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodePreset:
+    """One node of a GPU cluster preset, as its data file describes it."""
+
+    name: str
+    device: str
+    gpus_per_node: int
+    gpu_name: str
+    gpu_arch: str
+    gpu_link: LinkKind
+    nvlinks_per_gpu: int
+    nics_per_node: int
+    nic_kind: NicKind
+    nic_speed_Gbps: float
+    gpu_nic_path: LinkKind
+    profile: str
+    source: str
+
+    def host(self, hostname: str = "node0") -> Host:
+        """The node as a :class:`Host`: GPUs on ``gpu_link``, GPU i next to NIC i (its rail)."""
+        gpus = tuple(Device(id=f"GPU{i}", kind=DeviceKind.GPU, index=i, name=self.gpu_name, arch=self.gpu_arch)
+                     for i in range(self.gpus_per_node))
+        nics = tuple(Nic(id=f"NIC{i}", name=f"mlx5_{i}", kind=self.nic_kind, speed_Gbps=self.nic_speed_Gbps)
+                     for i in range(self.nics_per_node))
+        paths = [HostPath(a=a.id, b=b.id, kind=self.gpu_link, nvlink_count=self.nvlinks_per_gpu)
+                 for i, a in enumerate(gpus) for b in gpus[i + 1:]]
+        paths += [HostPath(a=g.id, b=f"NIC{g.index % len(nics)}", kind=self.gpu_nic_path) for g in gpus if nics]
+        return Host(hostname=hostname, devices=gpus, nics=nics, paths=tuple(paths))
+
+
+def _clusters_root() -> Any:
+    return resources.files("topomesh.cost").joinpath("data/clusters")
+
+
+def cluster_names() -> list[str]:
+    """The built-in presets (``dgx-a100-80gb``, ``dgx-h100``, ``dgx-h200``, ``local``)."""
+    return sorted(e.name.removesuffix(".json") for e in _clusters_root().iterdir() if e.name.endswith(".json"))
+
+
+@cache
+def node_preset(name: str) -> NodePreset:
+    """The GPU node of preset ``name``; raises :class:`ClusterError` for an unknown name."""
+    names = cluster_names()
+    if name not in names or name == LOCAL:
+        gpu = [n for n in names if n != LOCAL]
+        raise ClusterError(f"no GPU cluster preset named {name!r}; the presets are {', '.join(gpu)} (and local)")
+    path = f"data/clusters/{name}.json"
+    raw = json.loads(_clusters_root().joinpath(f"{name}.json").read_text())
+    try:
+        return NodePreset(
+            name=str(raw["name"]), device=str(raw["device"]), gpus_per_node=int(raw["gpus_per_node"]),
+            gpu_name=str(raw["gpu_name"]), gpu_arch=str(raw["gpu_arch"]), gpu_link=LinkKind.parse(raw["gpu_link"]),
+            nvlinks_per_gpu=int(raw["nvlinks_per_gpu"]), nics_per_node=int(raw["nics_per_node"]),
+            nic_kind=NicKind(raw["nic_kind"]), nic_speed_Gbps=float(raw["nic_speed_Gbps"]),
+            gpu_nic_path=LinkKind.parse(raw["gpu_nic_path"]), profile=str(raw["profile"]),
+            source=f"topomesh/cost/{path}",
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ClusterError(f"cluster preset file {path} is malformed ({exc!r})") from None
+
+
+def world_shape(gpus: int | None, per_node: int, what: str) -> tuple[int, int]:
+    """(nodes, ranks per node) of a world of ``gpus`` ranks built from ``per_node``-rank nodes.
+
+    ``None`` is one full node; at most one node, a partial node; more, a whole number of nodes.
+
+    >>> world_shape(None, 8, "x"), world_shape(4, 8, "x"), world_shape(32, 8, "x")
+    ((1, 8), (1, 4), (4, 8))
+    """
+    if gpus is None:
+        return 1, per_node
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ClusterError(f"--gpus for {what} must be a positive whole number, got {gpus!r}")
+    if gpus > GPUS_MAX:
+        raise ClusterError(f"--gpus {gpus} for {what} is over the largest world topomesh builds ({GPUS_MAX:,} ranks)")
+    if gpus <= per_node:
+        return 1, gpus
+    if gpus % per_node:
+        raise ClusterError(
+            f"--gpus {gpus} for {what} is not a multiple of its {per_node} GPUs per node; "
+            f"use {gpus // per_node * per_node} or {(gpus // per_node + 1) * per_node}"
+        )
+    return gpus // per_node, per_node
+
+
+def replicate_node(host: Host, nodes: int, devices: Sequence[str | None], *, source: str) -> Topology:
+    """``nodes`` copies of ``host`` numbered host after host (torchrun's order), rank
+    ``h·k + i`` on host ``h`` and device ``devices[i]`` (``k = len(devices)``)."""
+    k = len(devices)
+    hosts = [host.renamed(f"{host.hostname}-{h}") for h in range(nodes)] if nodes > 1 else [host]
+    ranks = [RankInfo(rank=h * k + i, host=h, local_rank=i, device=devices[i]) for h in range(nodes) for i in range(k)]
+    return build_topology(hosts, ranks, source=source)
+
+
+def load_cluster(name: str, *, gpus: int | None = None) -> Cluster:
+    """A built-in preset with ``gpus`` ranks (``None``: one node).
+
+    GPU presets: the node of ``data/clusters/<name>.json`` repeated ``gpus / gpus_per_node``
+    times. ``local``: :func:`local_cluster`.
+    """
+    if name == LOCAL:
+        return local_cluster(gpus=gpus)
+    preset = node_preset(name)
+    nodes, per_node = world_shape(gpus, preset.gpus_per_node, f"cluster {name}")
+    host = preset.host("node")
+    devices = [g.id for g in host.gpus[:per_node]]
+    topo = replicate_node(host, nodes, devices, source=f"cluster preset {name}")
+    return Cluster(name=name, topology=topo, device=device_spec(preset.device),
+                   profile=builtin_profile(preset.profile), gpus_per_node=per_node, source=preset.source)
+
+
+# ------------------------------------------------------------------ local
+
+
+def local_profile(directory: Path | None = None, hostname: str | None = None) -> tuple[CollectiveProfile, Path]:
+    """The newest gloo profile ``topomesh calibrate`` saved for this host, and its path.
+
+    Looks in ``<cache dir>/collectives/*.json`` (where ``topomesh calibrate`` writes without
+    ``--output``) for profiles measured with gloo on exactly this host. There is no built-in
+    gloo profile: without one, :class:`ClusterError` says to run the calibration.
+    """
+    folder = (directory or cache_dir()) / "collectives"
+    host = hostname or socket.gethostname()
+    found: list[tuple[str, Path, CollectiveProfile]] = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            prof = profile_from_dict(json.loads(path.read_text()), source=str(path))
+        except (OSError, json.JSONDecodeError, CalibrationError):
+            continue  # not a profile, or one of an older format: not this machine's measurement
+        meta = prof.meta
+        if prof.backend == "gloo" and list(meta.get("hosts", [])) == [host]:
+            found.append((str(meta.get("measured_at", "")), path, prof))
+    if not found:
+        raise ClusterError(
+            f"the local cluster needs a collective profile measured on this host ({host}) and none is saved in "
+            f"{folder}; run `topomesh calibrate --local 2` first (there is no built-in gloo profile to fall back to)"
+        )
+    _, path, prof = max(found, key=lambda t: (t[0], str(t[1])))
+    return prof, path
+
+
+def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> Cluster:
+    """This machine: ``gpus`` CPU processes on one host (default: as many as the calibration
+    measured), the measured CPU spec, the calibrated gloo profile (:func:`local_profile`)."""
+    prof, path = local_profile(directory)
+    measured = prof.meta.get("world_size")
+    n = gpus if gpus is not None else (measured if isinstance(measured, int) and measured > 0 else 2)
+    world_shape(n, n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, "the local cluster")
+    host = Host(hostname=socket.gethostname())
+    topo = build_topology([host], default_placement([host], [n]), source="local")
+    return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
+                   gpus_per_node=n, source=str(path))
+
+
+# ------------------------------------------------------------------ topology files
+
+
+def detect_device(topo: Topology) -> DeviceSpec:
+    """The shipped spec every rank's GPU maps to, by the names the topology records."""
+    names: set[str] = set()
+    for r in topo.ranks:
+        if r.device is not None:
+            dev = topo.hosts[r.host].device(r.device)
+            if dev.kind is DeviceKind.GPU and dev.name:
+                names.add(dev.name)
+    specs = {n: device_by_fingerprint(n) for n in sorted(names)}
+    found = {s.name for s in specs.values() if s is not None}
+    known = ", ".join(s.name for s in builtin_specs())
+    if len(found) == 1 and all(specs.values()):
+        return device_spec(found.pop())
+    where = topo.source or "the topology"
+    if not names:
+        raise ClusterError(f"{where} names no GPU model to detect the device from; give --device NAME ({known}, or cpu)")
+    raise ClusterError(
+        f"{where} has GPUs named {', '.join(sorted(names))}, which map to "
+        f"{'no single shipped spec' if found else 'no shipped spec'}; give --device NAME ({known}, or cpu)"
+    )
+
+
+def default_profile_for(spec: DeviceSpec) -> CollectiveProfile:
+    """The built-in profile whose ``meta.devices`` lists ``spec``, else ``nccl-default``."""
+    for name in builtin_profile_names():
+        prof = builtin_profile(name)
+        if spec.name in prof.meta.get("devices", ()):
+            return prof
+    return builtin_profile("nccl-default")
+
+
+def cluster_from_topology(path: str, *, device: str | None = None, gpus: int | None = None,
+                          profile: str | None = None) -> Cluster:
+    """A cluster from any file ``topomesh show`` reads.
+
+    ``device``: a shipped spec name, ``cpu`` (this machine's measured CPU), or ``None`` to
+    detect it from the GPU names the file records. ``gpus``: repeat a one-host file to that
+    many ranks (the file's ranks per host each time). ``profile``: a built-in profile name or
+    a profile JSON file (falling back to the device's built-in profile for link kinds it
+    lacks); ``None`` picks the built-in profile for the device.
+    """
+    topo = read_source(path)
+    spec = cpu_spec() if device is not None and device.lower() == "cpu" else (
+        device_spec(device) if device is not None else detect_device(topo))
+    per_host = max(len(rs) for rs in topo.ranks_by_host())
+    if gpus is not None and gpus != topo.world_size:
+        if len(topo.hosts) != 1:
+            raise ClusterError(
+                f"--gpus {gpus} repeats a one-host topology, but {path} describes {len(topo.hosts)} hosts "
+                f"({topo.world_size} ranks); leave --gpus out to use its world as it is"
+            )
+        nodes, k = world_shape(gpus, topo.world_size, f"topology {path}")
+        devices = [topo.ranks[i].device for i in range(k)]
+        topo = replicate_node(topo.hosts[0], nodes, devices, source=str(path))
+        per_host = k
+    base = default_profile_for(spec)
+    if profile is None:
+        prof = base
+    elif profile in builtin_profile_names():
+        prof = builtin_profile(profile)
+    elif Path(profile).is_file():
+        prof = load_profile(profile).with_fallback(base)
+    else:
+        raise ClusterError(
+            f"--profile {profile!r} is neither a profile file nor a built-in profile ({', '.join(builtin_profile_names())})"
+        )
+    return Cluster(name=Path(path).name, topology=topo, device=spec, profile=prof, gpus_per_node=per_host,
+                   source=str(path))
+
+
+# ------------------------------------------------------------------ links per axis
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AxisLink:
+    """What one group of a mesh axis (or of flattened axes) crosses on the placed layout."""
+
+    axis: str
+    """Mesh axis name, or ``"+"``-joined flattened axes (``dp_shard+cp``)."""
+    group_size: int
+    kind: LinkKind
+    """Slowest link kind between two members of one group (``LOC`` for a group of one)."""
+    nodes: int
+    """Hosts one group spans."""
+    ranks_per_node: int
+    """Members of one group on one host (``group_size // nodes`` for uniform groups)."""
+    intra_kind: LinkKind
+    """Slowest link between members on one host (``LOC`` when ``ranks_per_node == 1``)."""
+    bandwidth_GBps: float
+    """Bandwidth the group's collective runs at, GB/s, when the profile's term has no bus
+    bandwidth of its own. Inside a node: the slowest link between members. Across nodes:
+    the rail share ``line rate × NICs per node × ranks_per_node / ranks on the node`` (every
+    group of the axis runs at once and the node's ranks share its NICs), capped by the
+    intra-node link when several members share a node (the ring crosses both)."""
+    latency_us: float
+    """Highest one-way latency between two members, microseconds."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"axis": self.axis, "group_size": self.group_size, "link": self.kind.value, "nodes": self.nodes,
+                "ranks_per_node": self.ranks_per_node, "intra_link": self.intra_kind.value,
+                "bandwidth_GBps": self.bandwidth_GBps, "latency_us": self.latency_us}
+
+
+def _parse_axes(axes: str | Axis | Sequence[str | Axis]) -> tuple[Axis, ...]:
+    items = axes.split("+") if isinstance(axes, str) else ([axes] if isinstance(axes, Axis) else list(axes))
+    out = tuple(Axis.parse(a) for a in items)
+    if not out or len(set(out)) != len(out):
+        raise ClusterError(f"axes {axes!r} must name one or more distinct mesh axes")
+    return out
+
+
+def _logical_group(sizes: Sequence[int], mask: Sequence[bool], first: bool) -> np.ndarray:
+    """Logical ranks of the first (or last) group of the masked axes (Megatron order)."""
+    members = np.zeros(1, dtype=np.int64)
+    base = 0
+    stride = 1
+    for size, m in zip(sizes, mask, strict=True):
+        if m:
+            members = (members[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
+        elif not first:
+            base += (size - 1) * stride
+        stride *= size
+    return members + base
+
+
+def _pairs_stats(topo: Topology, a_side: Sequence[int], b_side: Sequence[int] | None) -> tuple[LinkKind, float, float]:
+    """Slowest kind, lowest bandwidth, highest latency over pairs within ``a_side`` (or across sides).
+
+    Without probe measurements or per-pair overrides the connections come straight from the
+    table's matrices (one host's local matrix, or the rail matrix), vectorized.
+    """
+    t = topo.table
+    if t.overrides or t.measured_local or t.measured_inter:
+        conns = [topo.connection(a, b) for i, a in enumerate(a_side)
+                 for b in (a_side[i + 1:] if b_side is None else b_side)]
+    else:
+        a = np.asarray(a_side, dtype=np.int64)
+        if b_side is None:
+            mat = t.local[t.host_class[t.host_of[a[0]]]]
+            slots = t.local_of[a]
+            ids = mat[np.ix_(slots, slots)][np.triu_indices(len(a), 1)]
+        else:
+            ids = t.inter[np.ix_(t.rail_of[a], t.rail_of[np.asarray(b_side, dtype=np.int64)])].ravel()
+        conns = [t.palette[i] for i in np.unique(ids).tolist()]
+    worst, bw, lat = LinkKind.LOC, float("inf"), 0.0
+    for c in conns:
+        if c.kind.tier > worst.tier:
+            worst = c.kind
+        bw, lat = min(bw, c.bandwidth_GBps), max(lat, c.latency_us)
+    return worst, bw, lat
+
+
+def _group_link(cluster: Cluster, name: str, phys: np.ndarray) -> AxisLink:
+    topo = cluster.topology
+    table = topo.table
+    hosts = table.host_of[phys]
+    counts = np.bincount(hosts)
+    nodes, per_node = int(np.count_nonzero(counts)), int(counts.max())
+    h0 = int(hosts[0])
+    first = phys[hosts == h0][:64].tolist()
+    intra, intra_bw, intra_lat = _pairs_stats(topo, first, None)
+    if nodes == 1:
+        bw = 0.0 if intra_bw == float("inf") else intra_bw
+        return AxisLink(axis=name, group_size=len(phys), kind=intra, nodes=1, ranks_per_node=per_node,
+                        intra_kind=intra, bandwidth_GBps=bw, latency_us=intra_lat)
+    # Across hosts a connection depends only on the two ranks' rails: one member per rail
+    # on the first host and on one other host shows every kind the group crosses.
+    h1 = int(hosts[np.flatnonzero(hosts != h0)[0]])
+    other = phys[hosts == h1]
+
+    def per_rail(ranks: Sequence[int]) -> list[int]:
+        seen: dict[int, int] = {}
+        for r in ranks:
+            seen.setdefault(int(table.rail_of[r]), int(r))
+        return list(seen.values())
+
+    kind, line_GBps, lat = _pairs_stats(topo, per_rail(first), per_rail(other.tolist()))
+    nics, on_node = int(cluster.rail_nics[h0]), int(cluster.ranks_on_host[h0])
+    share = line_GBps * min(nics, on_node) * per_node / on_node
+    bw = min(share, intra_bw) if per_node > 1 else share
+    return AxisLink(axis=name, group_size=len(phys), kind=kind, nodes=nodes, ranks_per_node=per_node,
+                    intra_kind=intra if per_node > 1 else LinkKind.LOC, bandwidth_GBps=bw,
+                    latency_us=max(lat, intra_lat))
+
+
+def axis_link(cluster: Cluster, placement: Placement, axes: str | Axis | Sequence[str | Axis]) -> AxisLink:
+    """The :class:`AxisLink` of the groups of ``axes`` (one axis, a ``"+"``-joined name or a
+    sequence: their flattened groups) under ``placement`` on ``cluster``.
+
+    Looks at the first and the last group only (on a uniform cluster all groups are
+    congruent under the layout's rank math) and returns the slower of the two.
+    """
+    wanted = _parse_axes(axes)
+    layout = placement.layout
+    if layout.world_size != cluster.world_size:
+        raise ClusterError(
+            f"the layout has {layout.world_size} ranks but cluster {cluster.name} has {cluster.world_size}"
+        )
+    name = "+".join(a.value for a in wanted)
+    mask = [a in wanted for a in layout.order]
+    get = operator.itemgetter
+    links = []
+    whole = all(m or s == 1 for m, s in zip(mask, layout.sizes, strict=True))  # one group: first == last
+    for first in (True,) if whole else (True, False):
+        logical = _logical_group(layout.sizes, mask, first)
+        phys = get(*logical.tolist())(placement.ranks) if len(logical) > 1 else (placement.ranks[int(logical[0])],)
+        links.append(_group_link(cluster, name, np.asarray(phys, dtype=np.int64)))
+    return min(links, key=lambda link: (-link.kind.tier, link.bandwidth_GBps, -link.nodes))
+
+
+def axis_links(cluster: Cluster, placement: Placement) -> dict[str, AxisLink]:
+    """One :class:`AxisLink` per mesh axis of degree > 1, keyed by axis name."""
+    layout = placement.layout
+    return {a.value: axis_link(cluster, placement, (a,)) for a in layout.mesh_axes if layout.degree(a) > 1}
+
+
+def group_collective_time_s(record: Any, link: AxisLink, profile: CollectiveProfile) -> float:
+    """Seconds one collective (a :class:`~topomesh.trace.graph.CollectiveRecord`) takes on a
+    group with ``link``; pure.
+
+    Inside a node: the profile's model for ``link.kind`` at ``link.bandwidth_GBps``
+    (:func:`~topomesh.cost.collectives.collective_time_s`). Across nodes: NCCL-like
+    hierarchical (:func:`~topomesh.cost.collectives.hierarchical_time_s`) at the rail share.
+    """
+    if record.group_size <= 1:
+        return 0.0
+    if link.nodes <= 1:
+        conn = Connection(kind=link.kind, latency_us=link.latency_us, bandwidth_GBps=link.bandwidth_GBps)
+        return collective_time_s(record, conn, profile)
+    return hierarchical_time_s(record, inter_kind=link.kind, intra_kind=link.intra_kind, nodes=link.nodes,
+                               ranks_per_node=link.ranks_per_node, network_GBps=link.bandwidth_GBps,
+                               profile=profile)
