@@ -170,25 +170,58 @@ class AxisReport:
 
 
 def _representatives(topo: Topology, members: Sequence[int]) -> list[int]:
-    """Members whose pairs show every link kind of a large group.
+    """Members whose pairs show every default link kind and bandwidth of a large group.
 
-    Ranks on different hosts connect through their rails only, so one member per rail
-    outside the first two hosts is enough; the first two hosts are kept whole for the
-    same-host pairs and one pair of hosts.
+    Ranks on different hosts connect through their rails only, so one member per rail is
+    enough between hosts. Same-host pairs depend on the host's class (its local matrix) and
+    on which of its slots are members: the first host of every such kind is kept whole, and
+    so are the first two hosts (for one pair of hosts). Measured figures and override pairs
+    are not seen here; :func:`_group_links` adds them.
     """
     if len(members) <= _EXACT_PAIRS_MAX:
         return list(members)
-    first_hosts: list[int] = []
+    t = topo.table
+    on_host: dict[int, list[int]] = {}
+    for r in members:
+        on_host.setdefault(topo.ranks[r].host, []).append(r)
+    whole: set[int] = set()
+    kinds: set[tuple[int, tuple[int, ...]]] = set()
+    for h, rs in on_host.items():
+        kind = (int(t.host_class[h]), tuple(sorted(int(t.local_of[r]) for r in rs)))
+        if len(whole) < 2 or kind not in kinds:
+            whole.add(h)
+        kinds.add(kind)
     out: list[int] = []
     rails: set[int] = set()
     for r in members:
-        h = topo.ranks[r].host
-        if len(first_hosts) < 2 and h not in first_hosts:
-            first_hosts.append(h)
-        rail = int(topo.table.rail_of[r])
-        if h in first_hosts or rail not in rails:
+        rail = int(t.rail_of[r])
+        if topo.ranks[r].host in whole or rail not in rails:
             out.append(r)
         rails.add(rail)
+    return out
+
+
+def _exceptions(topo: Topology, members: Sequence[int]) -> list[tuple[LinkKind, float, float]]:
+    """(kind, bandwidth, latency) of every override pair and measured figure among ``members``."""
+    t = topo.table
+    if not (t.overrides or t.measured_inter or t.measured_local):
+        return []
+    out: list[tuple[LinkKind, float, float]] = []
+    inside = set(members)
+    for (a, b) in t.overrides:
+        if a in inside and b in inside:
+            c = topo.connection(a, b)
+            out.append((c.kind, c.bandwidth_GBps, c.latency_us))
+    slots: dict[int, set[int]] = {}
+    for r in members:
+        slots.setdefault(topo.ranks[r].host, set()).add(int(t.local_of[r]))
+    for (ha, hb), (lat, bw) in t.measured_inter.items():
+        if ha in slots and hb in slots:
+            out.append((LinkKind.LOC, bw, lat))
+    for h, pairs in t.measured_local.items():
+        for (la, lb), (lat, bw) in pairs.items():
+            if la in slots.get(h, ()) and lb in slots.get(h, ()):
+                out.append((LinkKind.LOC, bw, lat))
     return out
 
 
@@ -204,6 +237,12 @@ def _group_links(topo: Topology, members: Sequence[int]) -> tuple[LinkKind, floa
                 worst = c.kind
             bw = min(bw, c.bandwidth_GBps)
             lat = max(lat, c.latency_us)
+    if len(reps) < len(members):
+        # measured figures keep their pair's kind (seen through the representatives)
+        for kind, b, lt in _exceptions(topo, members):
+            if kind.tier > worst.tier:
+                worst = kind
+            bw, lat = min(bw, b), max(lat, lt)
     return worst, (0.0 if bw == float("inf") else bw), lat
 
 
