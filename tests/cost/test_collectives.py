@@ -129,10 +129,14 @@ def test_default_profiles_cite_sources_and_rank_the_hardware():
     # 1 GiB all-reduce on 8 GPUs: 1.75 GiB at the published bus bandwidths (480 NVLS, 235 A100)
     assert h100 == pytest.approx(23e-6 + 1.75 * 2**30 / 480e9, rel=1e-6)
     assert a100 == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 1.75 * 2**30 / 235e9, rel=1e-6)
-    # inter-node links are not in the DGX profiles: they fall back to nccl-default
+    # IB in the DGX H100 profile: NCCL's NET ring constants at 0.95 of the link (NDR measured busbw);
+    # 1 MiB over the 12 GB/s default IB link, 2 ranks: Simple 8.4 + 2 x 14.0 us + 2^20 / (12 x 0.95 GB/s)
     ib = CollectiveRecord(kind=AR, bytes=2**20, group_size=2)
     assert collective_time_s(ib, LinkKind.IB, builtin_profile("nccl-dgx-h100")) == pytest.approx(
-        collective_time_s(ib, LinkKind.IB, builtin_profile("nccl-default")))
+        36.4e-6 + 2**20 / (12 * 0.95 * 1e9), rel=1e-9)
+    # PCIe is not in the DGX profiles: it falls back to nccl-default
+    assert collective_time_s(ib, LinkKind.PIX, builtin_profile("nccl-dgx-h100")) == pytest.approx(
+        collective_time_s(ib, LinkKind.PIX, builtin_profile("nccl-default")))
 
 
 def test_connection_bandwidth_is_used_when_the_profile_has_none():
