@@ -1,0 +1,281 @@
+"""Event simulation of one training step: every pipeline rank, one compute stream each, and a
+communication stream per link class.
+
+Per rank the engine keeps the time its compute stream is free, the time each
+communication stream (:class:`~topomesh.sim.price.Stream`) is free, and when its last
+gradient reduction ends. It runs the rank's actions (:mod:`topomesh.sim.schedules`) in
+order; an action is a list of priced pieces (:class:`~topomesh.sim.price.Work`) run one
+after the other:
+
+* a piece's parameter all-gathers are issued when the piece before it starts (FSDP2's
+  one-ahead prefetch; the first piece of an action issues its own), queue on their stream,
+  and the piece cannot start before they end;
+* the piece computes, then its blocking collectives run on their streams while the compute
+  stream waits (tensor/context/expert parallel: the consumer needs the result);
+* its gradient reductions are issued when it ends and only the optimizer waits for them.
+
+Streams are FIFO in issue order, so a prefetch and a tensor-parallel collective on the same
+link class share it, and an NVLink collective and a network collective overlap.
+Pipeline dependencies: forward of stage s after forward of s-1 plus the p2p send on the
+pipeline link; backward (or I) of stage s after that of s+1; W after I. Sends are
+asynchronous (the sender does not wait).
+
+Every second of a rank's compute stream is booked to one bucket (compute, optimizer, an
+axis's exposed communication, p2p wait, pipeline bubble), so the critical rank's buckets add
+up to the step time exactly. Repeated identical blocks are simulated until the state
+advances by the same amount in every component, then fast-forwarded (exact: the update is
+max-plus linear, so a uniform shift repeats).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from topomesh.errors import LayoutError
+from topomesh.sim.price import Comm, Stream, Work
+from topomesh.sim.schedules import Action, Kind
+
+_STREAMS = (Stream.INTRA, Stream.NET)
+
+
+@dataclass(slots=True)
+class Span:
+    """One interval on a track of the timeline (for the Chrome trace)."""
+
+    track: str
+    name: str
+    start: float
+    end: float
+
+
+@dataclass(slots=True)
+class RankState:
+    compute_free: float = 0.0
+    stream_free: dict[Stream, float] = field(default_factory=lambda: dict.fromkeys(_STREAMS, 0.0))
+    reduce_end: float = 0.0
+    reduce_axis: str = ""
+    compute_s: float = 0.0
+    optimizer_s: float = 0.0
+    bubble_s: float = 0.0
+    p2p_s: float = 0.0
+    exposed: dict[str, float] = field(default_factory=dict)
+    spans: list[Span] | None = None
+
+    def book(self, axis: str, seconds: float) -> None:
+        if seconds > 0:
+            self.exposed[axis] = self.exposed.get(axis, 0.0) + seconds
+
+    def span(self, track: str, name: str, start: float, end: float) -> None:
+        if self.spans is not None and end > start:
+            self.spans.append(Span(track, name, start, end))
+
+    def vector(self) -> tuple[float, ...]:
+        t = self.compute_free
+        return (t, *(max(self.stream_free[s], t) for s in _STREAMS), max(self.reduce_end, t))
+
+
+def _issue(state: RankState, comms: Sequence[Comm], at: float, label: str) -> tuple[float, str]:
+    """Queue ``comms`` on their streams at time ``at``; (end of the last, its axis)."""
+    end, axis = at, ""
+    for c in comms:
+        s = max(at, state.stream_free[c.stream])
+        state.stream_free[c.stream] = s + c.seconds
+        state.span(f"comm:{c.stream.value}", f"{label} {c.axis}", s, s + c.seconds)
+        if s + c.seconds >= end:
+            end, axis = s + c.seconds, c.axis
+    return end, axis
+
+
+def _run_piece(state: RankState, work: Work, gather_end: tuple[float, str], label: str, compute_s: float,
+               reduce: bool = True) -> float:
+    """Run one piece whose gathers end at ``gather_end``; returns the piece's start time."""
+    t = state.compute_free
+    g_end, g_axis = gather_end
+    start = max(t, g_end)
+    state.book(g_axis, start - t)
+    t = start + compute_s
+    state.compute_s += compute_s
+    state.span("compute", label, start, t)
+    for c in work.blocking:
+        s = max(t, state.stream_free[c.stream])
+        state.stream_free[c.stream] = s + c.seconds
+        state.book(c.axis, s + c.seconds - t)
+        state.span(f"comm:{c.stream.value}", f"{label} {c.axis}", s, s + c.seconds)
+        t = s + c.seconds
+    state.compute_free = t
+    if reduce and work.reduce:
+        r_end, r_axis = _issue(state, work.reduce, t, f"{label} reduce")
+        if r_end >= state.reduce_end:
+            state.reduce_end, state.reduce_axis = r_end, r_axis
+    return start
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Piece:
+    work: Work
+    count: int
+    label: str
+    compute_s: float
+    reduce: bool = True
+
+
+def run_pieces(state: RankState, pieces: Sequence[Piece]) -> None:
+    """Run pieces in order with one-ahead gather prefetch; repeated blocks fast-forwarded."""
+    flat = [p for p in pieces if p.count > 0]
+    if not flat:
+        return
+    pending = _issue(state, flat[0].work.gather, state.compute_free, "gather")  # the first piece's own
+    for i, p in enumerate(flat):
+        nxt = flat[i + 1] if i + 1 < len(flat) else None
+        done = 0
+        history: list[tuple[tuple[float, ...], tuple, float]] = []
+        while done < p.count:
+            last_copy = done == p.count - 1
+            next_work = p.work if not last_copy else (nxt.work if nxt else None)
+            t0 = state.compute_free
+            start = _start_time(state, pending)
+            if next_work is not None and next_work.gather:
+                nxt_pending = _issue(state, next_work.gather, start, "gather")
+            else:
+                nxt_pending = (start, "")
+            _run_piece(state, p.work, pending, p.label, p.compute_s, p.reduce)
+            pending = nxt_pending
+            done += 1
+            # fast-forward identical copies once every component advances by the same amount
+            if state.spans is None and p.count - done > 1:
+                vec = (*state.vector(), pending[0])
+                acc = _accounts(state)
+                history.append((vec, acc, t0))
+                if len(history) >= 3:
+                    d1 = _diff(history[-1][0], history[-2][0])
+                    d2 = _diff(history[-2][0], history[-3][0])
+                    if d1 is not None and d2 is not None and abs(d1 - d2) <= 1e-12 * max(1.0, abs(d1)):
+                        k = p.count - done - 1  # leave the last copy to run for real (its prefetch differs)
+                        _advance(state, d1 * k, _acc_diff(history[-1][1], history[-2][1]), k)
+                        pending = (pending[0] + d1 * k, pending[1])
+                        done += k
+
+
+def _start_time(state: RankState, pending: tuple[float, str]) -> float:
+    return max(state.compute_free, pending[0])
+
+
+def _diff(a: tuple[float, ...], b: tuple[float, ...]) -> float | None:
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    lam = d[0]
+    if all(abs(x - lam) <= 1e-12 * max(1.0, abs(lam)) for x in d):
+        return lam
+    return None
+
+
+def _accounts(state: RankState) -> tuple:
+    return (state.compute_s, state.bubble_s, state.p2p_s, state.optimizer_s, tuple(sorted(state.exposed.items())))
+
+
+def _acc_diff(a: tuple, b: tuple) -> tuple:
+    ea, eb = dict(a[4]), dict(b[4])
+    return (a[0] - b[0], a[1] - b[1], a[2] - b[2], a[3] - b[3], {k: v - eb.get(k, 0.0) for k, v in ea.items()})
+
+
+def _advance(state: RankState, shift: float, per: tuple, k: int) -> None:
+    state.compute_free += shift
+    for s in _STREAMS:
+        state.stream_free[s] = max(state.stream_free[s], state.compute_free - shift) + shift
+    state.reduce_end = max(state.reduce_end, state.compute_free - shift) + shift
+    state.compute_s += per[0] * k
+    state.bubble_s += per[1] * k
+    state.p2p_s += per[2] * k
+    state.optimizer_s += per[3] * k
+    for axis, v in per[4].items():
+        state.exposed[axis] = state.exposed.get(axis, 0.0) + v * k
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlan:
+    """The pieces of one global stage's actions."""
+
+    forward: tuple[Piece, ...]
+    backward: tuple[Piece, ...]
+    backward_input: tuple[Piece, ...]
+    backward_weight: tuple[Piece, ...]
+    optimizer: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineResult:
+    step_time_s: float
+    critical_rank: int
+    ranks: tuple[RankState, ...]
+
+
+def simulate_pipeline(
+    plans: Sequence[StagePlan],
+    actions: Sequence[Sequence[Action]],
+    stage_rank: Sequence[int],
+    p2p_s: float,
+    *,
+    record: bool = False,
+) -> EngineResult:
+    """Run every pipeline rank's actions; ``plans[s]`` prices global stage ``s``,
+    ``stage_rank[s]`` is the rank holding it, ``p2p_s`` one boundary send."""
+    ranks = [RankState(spans=[] if record else None) for _ in actions]
+    done: dict[tuple[int, str, int], float] = {}
+    idx = [0] * len(actions)
+    last = len(plans) - 1
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progress = False
+        for r, acts in enumerate(actions):
+            state = ranks[r]
+            while idx[r] < len(acts):
+                a = acts[idx[r]]
+                dep = _dependency(a, last)
+                if dep is not None and dep not in done:
+                    break
+                ready = state.compute_free
+                if dep is not None:
+                    cross = stage_rank[dep[0]] != r
+                    arrive = done[dep] + (p2p_s if cross else 0.0)
+                    if arrive > state.compute_free:
+                        wait = arrive - state.compute_free
+                        p2p_part = min(wait, p2p_s) if cross else 0.0
+                        state.p2p_s += p2p_part
+                        state.bubble_s += wait - p2p_part
+                        state.span("compute", "bubble" if wait > p2p_part else "p2p wait", state.compute_free, arrive)
+                        ready = arrive
+                state.compute_free = ready
+                plan = plans[a.stage]
+                pieces = {Kind.F: plan.forward, Kind.B: plan.backward, Kind.I: plan.backward_input,
+                          Kind.W: plan.backward_weight}[a.kind]
+                run_pieces(state, pieces)
+                done[(a.stage, "B" if a.kind is Kind.I else a.kind.value, a.mb)] = state.compute_free
+                idx[r] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            stuck = {r: str(actions[r][idx[r]]) for r in range(len(actions)) if idx[r] < len(actions[r])}
+            raise LayoutError(f"pipeline schedule deadlocks (next actions {stuck}); this is a bug in the schedule.")
+    for r, state in enumerate(ranks):
+        wait = state.reduce_end - state.compute_free
+        if wait > 0:
+            state.book(state.reduce_axis, wait)
+            state.span("compute", "wait for gradient reductions", state.compute_free, state.reduce_end)
+            state.compute_free = state.reduce_end
+        before = state.compute_s
+        for s, plan in enumerate(plans):
+            if stage_rank[s] == r:
+                run_pieces(state, plan.optimizer)
+        state.optimizer_s += state.compute_s - before
+        state.compute_s = before
+    end = [s.compute_free for s in ranks]
+    crit = max(range(len(ranks)), key=end.__getitem__)
+    return EngineResult(step_time_s=end[crit], critical_rank=crit, ranks=tuple(ranks))
+
+
+def _dependency(a: Action, last: int) -> tuple[int, str, int] | None:
+    if a.kind is Kind.F:
+        return None if a.stage == 0 else (a.stage - 1, "F", a.mb)
+    if a.kind is Kind.W:
+        return (a.stage, "B", a.mb)
+    return (a.stage, "F", a.mb) if a.stage == last else (a.stage + 1, "B", a.mb)

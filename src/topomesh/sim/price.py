@@ -1,0 +1,253 @@
+"""Price a traced layout class on a cluster: seconds per segment, split by where they run.
+
+A one-rank trace (:class:`~topomesh.trace.result.Trace`) is cut into the pieces a pipeline
+stage is made of — the work before the blocks (embedding), one block, the work after the
+blocks (final norm, head, loss), in forward, backward and optimizer — and each piece becomes
+a :class:`Work`:
+
+* ``compute_s``: its ops, each at its measured time (op table) or the efficiency-aware
+  roofline of the device (:func:`topomesh.cost.ops.op_time_s`);
+* ``blocking``: collectives whose result the next op needs at once — tensor, context and
+  expert parallel (activations), and anything in the optimizer — which the compute stream
+  waits for;
+* ``gather``: parameter all-gathers over data-parallel axes (FSDP2) that the piece needs
+  before it runs and that the framework issues one piece ahead (prefetch);
+* ``reduce``: gradient reduce-scatters / all-reduces over data-parallel axes (FSDP2, DDP,
+  HSDP) issued after the piece and only waited for by the optimizer.
+
+Each collective is priced on the link its group crosses under the placement
+(:func:`topomesh.cost.cluster.axis_link`) and runs on the stream of that link class
+(``intra``: inside a node; ``net``: across nodes), so an NVLink collective and a network
+collective can run at once. A block is priced once and repeated by the engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from topomesh.cost.cluster import AxisLink, Cluster, group_collective_time_s
+from topomesh.cost.ops import OpClass, op_class, op_time_s, profilable, profile_key
+from topomesh.layout.dims import Axis
+from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase
+from topomesh.trace.result import Part, Segment, StateBytes, Trace
+
+
+class Stream(StrEnum):
+    INTRA = "intra"
+    """Collectives whose group stays inside one node (NVLink/NVSwitch/PCIe/SHM)."""
+    NET = "net"
+    """Collectives whose group spans nodes (IB/Ethernet)."""
+
+
+_DP_AXES = (Axis.DP_SHARD.value, Axis.DP_REPLICATE.value)
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    axis: str
+    stream: Stream
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Work:
+    """One priced piece of a stage's step (see the module docstring)."""
+
+    compute_s: float = 0.0
+    blocking: tuple[Comm, ...] = ()
+    gather: tuple[Comm, ...] = ()
+    reduce: tuple[Comm, ...] = ()
+    flops: int = 0
+    weight_grad_s: float = 0.0
+    """Backward only: the weight-gradient GEMMs, which zero-bubble schedules run apart (W).
+    Each linear layer's backward is two GEMMs of equal FLOPs (input and weight gradient),
+    so this is half of the backward matmul time."""
+    saved_bytes: int = 0
+    """Forward only: activations kept for backward, per micro-batch."""
+    peak_output_bytes: int = 0
+    gather_bytes: int = 0
+    """Parameters the piece's all-gathers bring in (their output buffers), bytes."""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.compute_s or self.blocking or self.gather or self.reduce)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PricedClass:
+    """Every piece of one layout class, priced on one cluster and placement."""
+
+    fwd_pre: Work
+    fwd_block: Work
+    fwd_post: Work
+    bwd_post: Work
+    bwd_block: Work
+    bwd_pre: Work
+    opt_block: Work
+    opt_first: Work
+    opt_last: Work
+    block_state: StateBytes
+    first_state: StateBytes
+    last_state: StateBytes
+    boundary_bytes: int
+    """Bytes a pipeline stage sends downstream per micro-batch (a block's output)."""
+    measured_ops: int = 0
+    roofline_ops: int = 0
+    links: Mapping[str, AxisLink] = field(default_factory=dict)
+
+
+def is_param_collective(rec: CollectiveRecord) -> bool:
+    """FSDP/DDP traffic: gathers of parameters and reductions of gradients over data-parallel
+    axes (``dp_shard``, ``dp_replicate`` or flattened groups that contain one)."""
+    axes = (rec.mesh_axis or "").split("+")
+    return any(a in _DP_AXES for a in axes) and rec.kind in (
+        CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE
+    )
+
+
+class Pricer:
+    """Prices records on one cluster and placement, each distinct op signature once."""
+
+    def __init__(self, cluster: Cluster, link_of: Callable[[str], AxisLink], table: Mapping) -> None:
+        self.cluster = cluster
+        self.link_of = link_of
+        self.table = table
+        self._ops: dict[tuple, tuple[float, bool]] = {}
+        self.measured = 0
+        self.roofline = 0
+
+    def op_s(self, rec: OpRecord) -> float:
+        key = profile_key(rec)
+        hit = self._ops.get(key)
+        if hit is None:
+            cost = op_time_s(rec, self.cluster.device, self.table)
+            hit = self._ops[key] = (cost.seconds, cost.measured)
+        if hit[1]:
+            self.measured += 1
+        else:
+            self.roofline += 1
+        return hit[0]
+
+    def comm(self, rec: CollectiveRecord) -> Comm:
+        link = self.link_of(rec.mesh_axis or "")
+        seconds = group_collective_time_s(rec, link, self.cluster.profile)
+        return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds)
+
+    def work(self, segments: Iterable[Segment], *, exclude: Counter | None = None, extra_gather: Iterable = ()) -> Work:
+        """One :class:`Work` from segments (summed); ``exclude`` drops records (a multiset)
+        that belong to another piece, ``extra_gather`` adds records issued elsewhere."""
+        drop = Counter(exclude or ())
+        compute = weight = 0.0
+        flops = saved = peak = gathered = 0
+        blocking: list[Comm] = []
+        gather: list[Comm] = []
+        reduce: list[Comm] = []
+        for seg in segments:
+            saved += seg.saved_bytes
+            peak = max(peak, seg.peak_output_bytes)
+            for e in seg.events:
+                if drop[e] > 0:
+                    drop[e] -= 1
+                    continue
+                if isinstance(e, OpRecord):
+                    if not profilable(e):
+                        continue
+                    s = self.op_s(e)
+                    compute += s
+                    flops += e.flops
+                    if e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL:
+                        weight += s / 2
+                elif e.group_size > 1:
+                    c = self.comm(e)
+                    if is_param_collective(e) and e.phase is not Phase.OPTIMIZER:
+                        if e.kind is CollectiveKind.ALL_GATHER:
+                            gather.append(c)
+                            gathered += e.bytes
+                        else:
+                            reduce.append(c)
+                    else:
+                        blocking.append(c)
+        extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]
+        gather += [self.comm(e) for e in extra]
+        gathered += sum(e.bytes for e in extra)
+        return Work(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
+                    flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
+                    gather_bytes=gathered)
+
+
+def _split(segments: Iterable[Segment], phase: Phase) -> tuple[list[Segment], list[Segment], list[Segment]]:
+    """(before the blocks, the blocks, after the blocks) of one phase, in step order."""
+    segs = [s for s in segments if s.phase is phase]
+    idx = [i for i, s in enumerate(segs) if s.part is Part.BLOCK]
+    if not idx:
+        return segs, [], []
+    return segs[: idx[0]], segs[idx[0] : idx[-1] + 1], segs[idx[-1] + 1 :]
+
+
+def _per_block(work: Work, n: int) -> Work:
+    if n <= 1:
+        return work
+
+    def each(comms: tuple[Comm, ...]) -> tuple[Comm, ...]:
+        # n traced blocks issue n times the collectives of one: keep one block's share
+        return comms[: len(comms) // n] if len(comms) % n == 0 else tuple(
+            Comm(c.axis, c.stream, c.seconds / n) for c in comms)
+
+    return Work(compute_s=work.compute_s / n, blocking=each(work.blocking), gather=each(work.gather),
+                reduce=each(work.reduce), flops=work.flops // n, weight_grad_s=work.weight_grad_s / n,
+                saved_bytes=work.saved_bytes // n, peak_output_bytes=work.peak_output_bytes,
+                gather_bytes=work.gather_bytes // n)
+
+
+def price_trace(trace: Trace, pricer: Pricer) -> PricedClass:
+    """Price a trace (as traced, not composed: blocks are priced once and repeated by the engine)."""
+    n = trace.traced_layers
+    f_pre, f_blocks, f_post = _split(trace.segments, Phase.FORWARD)
+    b_post, b_blocks, b_pre = _split(trace.segments, Phase.BACKWARD)
+    o_pre, o_blocks, o_post = _split(trace.segments, Phase.OPTIMIZER)
+    # FSDP's backward all-gather of the block that runs first in backward is issued by the
+    # head: the records stay in that REST segment and are listed as the block's prefetch.
+    prefetch = [e for s in b_blocks for e in s.prefetch]
+    moved = Counter(prefetch)
+    bwd_block = pricer.work(b_blocks, extra_gather=prefetch)
+    opt_rest = pricer.work([*o_pre, *o_post])
+    first, last = trace.first_state.total, trace.last_state.total
+    share = first / (first + last) if first + last else 0.5
+    block_fwd = [e for s in f_blocks for e in s.events if isinstance(e, OpRecord) and profilable(e)]
+    boundary = 0
+    if block_fwd:
+        out = block_fwd[-1].outputs
+        boundary = sum(t.numel * _itemsize(t.dtype) for t in out[:1])
+    return PricedClass(
+        fwd_pre=pricer.work(f_pre),
+        fwd_block=_per_block(pricer.work(f_blocks), n),
+        fwd_post=pricer.work(f_post),
+        bwd_post=pricer.work(b_post, exclude=moved),
+        bwd_block=_per_block(bwd_block, n),
+        bwd_pre=pricer.work(b_pre, exclude=moved),
+        opt_block=_per_block(pricer.work(o_blocks), n),
+        opt_first=_scaled(opt_rest, share),
+        opt_last=_scaled(opt_rest, 1.0 - share),
+        block_state=trace.block_state,
+        first_state=trace.first_state,
+        last_state=trace.last_state,
+        boundary_bytes=boundary,
+        measured_ops=pricer.measured,
+        roofline_ops=pricer.roofline,
+    )
+
+
+def _scaled(work: Work, k: float) -> Work:
+    """The optimizer work of the parameters outside the blocks, shared between the first and
+    the last stage by their state bytes."""
+    return Work(compute_s=work.compute_s * k, blocking=tuple(Comm(c.axis, c.stream, c.seconds * k) for c in work.blocking),
+                flops=int(work.flops * k))
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return getattr(torch, dtype).itemsize

@@ -1,0 +1,310 @@
+"""Simulate one training step of a layout: trace its class (cached), price it on the cluster
+under the placement, run the pipeline schedule, and account memory.
+
+>>> import torch
+>>> from topomesh.cost.cluster import load_cluster
+>>> from topomesh.layout.dims import Layout
+>>> from topomesh.models.presets import get_preset
+>>> model = builtin_model(get_preset("tiny-llama"))
+>>> r = simulate(model, load_cluster("dgx-h100", gpus=8), Layout(tp=2, dp_shard=4),
+...              Training(global_batch=8, micro_batch=1))
+>>> r.feasible, r.world_size, round(r.breakdown.total_s / r.step_time_s, 6)
+(True, 8, 1.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from topomesh.cost.cluster import AxisLink, Cluster, axis_link
+from topomesh.errors import LayoutError
+from topomesh.layout.dims import Axis, Layout
+from topomesh.layout.place import place
+from topomesh.sim.engine import EngineResult, Piece, StagePlan, simulate_pipeline
+from topomesh.sim.price import PricedClass, Pricer, Work, price_trace
+from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
+from topomesh.sim.schedules import Action, Kind, Schedule, action_order, rank_stages, stage_count
+from topomesh.trace.cache import TraceCache
+from topomesh.trace.graph import CollectiveKind, CollectiveRecord
+from topomesh.trace.result import StateBytes, Trace
+from topomesh.trace.tracer import ModelSpec, ParallelizeFn
+
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Training:
+    """The training knobs of a step (the same names as the CLI flags)."""
+
+    global_batch: int
+    """Samples per optimizer step over the whole job."""
+    micro_batch: int = 1
+    """Samples per micro-batch on one data-parallel rank."""
+    seq_len: int | None = None
+    """Tokens per sample (for tokens/s); the model's own when None."""
+    dtype: str = "bf16"
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    interleave: int = 1
+    """Virtual stages per pipeline rank (interleaved schedules)."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch", "interleave"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LayoutError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}.")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise LayoutError(f"--seq-len must be a positive integer, got {self.seq_len!r}.")
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if self.recompute not in RECOMPUTE:
+            raise LayoutError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}.")
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Model:
+    """What the simulator traces: the user's model and parallelize function per knob setting."""
+
+    spec: ModelSpec
+    parallelize: Callable[[Training], ParallelizeFn | None]
+    """The parallelize function for a setting of the knobs (recompute, sequence parallel)."""
+    seq_len: int | None = None
+    config: object | None = None
+    """The :class:`~topomesh.models.transformer.TransformerConfig` of a built-in model, for
+    up-front divisibility checks; None for a user's own model (tracing then says what fails)."""
+
+
+def builtin_model(cfg: object, *, seq_len: int | None = None) -> Model:
+    """A :class:`Model` for a :class:`~topomesh.models.transformer.TransformerConfig`."""
+    from topomesh.models.parallelize import Checkpointing, ParallelOptions, make_parallelize
+    from topomesh.trace.tracer import transformer_spec
+
+    if seq_len is not None:
+        cfg = dataclasses.replace(cfg, seq_len=seq_len)
+
+    def parallelize(t: Training) -> ParallelizeFn:
+        return make_parallelize(ParallelOptions(sequence_parallel=t.sequence_parallel,
+                                                checkpointing=Checkpointing(t.recompute)))
+
+    return Model(spec=transformer_spec(cfg), parallelize=parallelize, seq_len=cfg.seq_len, config=cfg)
+
+
+def check_model_layout(cfg: object, layout: Layout, training: Training) -> None:
+    """Divisibility a built-in transformer needs; one :class:`LayoutError` naming the problem."""
+    tp, cp, ep, pp = (layout.degree(a) for a in (Axis.TP, Axis.CP, Axis.EP, Axis.PP))
+    kv = cfg.n_kv_heads or cfg.n_heads
+    if cfg.n_heads % tp or kv % tp:
+        raise LayoutError(f"tp={tp} does not divide the {cfg.n_heads} attention heads and {kv} kv heads of {cfg.name}.")
+    if cfg.seq_len % (2 * cp) and cp > 1:
+        raise LayoutError(f"cp={cp} needs the sequence ({cfg.seq_len}) to divide by 2·cp = {2 * cp} (load balancing).")
+    if ep > 1 and not cfg.n_experts:
+        raise LayoutError(f"ep={ep} needs a mixture-of-experts model; {cfg.name} is dense.")
+    if ep > 1 and cfg.n_experts % ep:
+        raise LayoutError(f"ep={ep} does not divide the {cfg.n_experts} experts of {cfg.name}.")
+    stages = stage_count(training.schedule, pp, training.interleave) if pp > 1 else 1
+    if stages > cfg.n_layers:
+        raise LayoutError(f"{stages} pipeline stages (pp={pp}) need at least as many layers; {cfg.name} has {cfg.n_layers}.")
+
+
+def split_layers(n_layers: int, stages: int) -> list[int]:
+    """Blocks per global stage: equal shares, the first ``n_layers % stages`` one more.
+
+    >>> split_layers(10, 4)
+    [3, 3, 2, 2]
+    """
+    if stages > n_layers:
+        raise LayoutError(f"{stages} pipeline stages need at least as many layers, the model has {n_layers}.")
+    base, extra = divmod(n_layers, stages)
+    return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+@dataclass(slots=True)
+class Simulator:
+    """Simulates layouts of one model on one cluster, sharing traces and link lookups."""
+
+    model: Model
+    cluster: Cluster
+    cache: TraceCache = field(default_factory=TraceCache)
+    table: Mapping = field(default_factory=dict)
+    """Measured op times (``OpProfileDB.table(fingerprint)``); ops not in it use the roofline."""
+
+    def trace(self, layout: Layout, training: Training) -> Trace:
+        degrees = {a.value: layout.degree(a) for a in layout.mesh_axes if a is not Axis.PP}
+        return self.cache.get(self.model.spec, self.model.parallelize(training), degrees,
+                              batch_size=training.micro_batch, dtype=DTYPES[training.dtype])
+
+    def simulate(self, layout: Layout, training: Training, *, record: bool = False) -> StepResult:
+        return simulate(self.model, self.cluster, layout, training, cache=self.cache, table=self.table,
+                        record=record, trace=self.trace(layout, training))
+
+
+def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training, *,
+             cache: TraceCache | None = None, table: Mapping | None = None, record: bool = False,
+             trace: Trace | None = None) -> StepResult:
+    """One layout's training step on ``cluster`` (see the module docstring)."""
+    if layout.world_size != cluster.world_size:
+        raise LayoutError(
+            f"layout {layout.describe()} has {layout.world_size} ranks, cluster {cluster.name} has "
+            f"{cluster.world_size}; the degrees must multiply to the world size.")
+    if model.config is not None:
+        check_model_layout(model.config, layout, training)
+    dp = layout.degree(Axis.DP_REPLICATE) * layout.degree(Axis.DP_SHARD)
+    if training.global_batch % (dp * training.micro_batch):
+        raise LayoutError(
+            f"global batch {training.global_batch} does not divide into data-parallel degree {dp} × "
+            f"micro-batch {training.micro_batch}.")
+    micro = training.global_batch // (dp * training.micro_batch)
+    pp = layout.degree(Axis.PP)
+    if trace is None:
+        degrees = {a.value: layout.degree(a) for a in layout.mesh_axes if a is not Axis.PP}
+        trace = (cache or TraceCache()).get(model.spec, model.parallelize(training), degrees,
+                                             batch_size=training.micro_batch, dtype=DTYPES[training.dtype])
+    placement = place(cluster.topology, layout)
+    links: dict[str, AxisLink] = {}
+
+    def link_of(name: str) -> AxisLink:
+        if name not in links:
+            axes = [a for a in name.split("+") if a]
+            if not axes or any(a not in Axis.__members__.values() for a in axes):
+                axes = [max(layout.mesh_axes, key=layout.degree).value]  # unknown group: the largest axis
+            links[name] = axis_link(cluster, placement, axes)
+        return links[name]
+
+    priced = price_trace(trace, Pricer(cluster, link_of, table or {}))
+    for a in layout.mesh_axes:
+        if layout.degree(a) > 1:
+            link_of(a.value)
+    schedule = training.schedule if pp > 1 else Schedule.ONE_F_ONE_B
+    interleave = training.interleave if schedule.multi_stage else 1
+    stages = stage_count(schedule, pp, interleave) if pp > 1 else 1
+    layers = split_layers(model.spec.n_layers, stages)
+    plans = [_stage_plan(priced, s, stages, n) for s, n in enumerate(layers)]
+    actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
+    stage_rank = [0] * stages
+    for r in range(pp):
+        for s in (rank_stages(schedule, pp, interleave, r) if pp > 1 else [0]):
+            stage_rank[s] = r
+    p2p_s = 0.0
+    if pp > 1:
+        rec = CollectiveRecord(kind=CollectiveKind.SEND_RECV, bytes=priced.boundary_bytes, group_size=2,
+                               mesh_axis=Axis.PP.value)
+        from topomesh.cost.cluster import group_collective_time_s
+
+        p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
+    run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=record)
+    memory = tuple(_memory(priced, plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
+    return _result(model, cluster, layout, training, trace, priced, run, memory, micro, links, schedule, interleave)
+
+
+def _stage_plan(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
+    first, last = s == 0, s == stages - 1
+
+    def pieces(*items: tuple[Work, int, str, bool]) -> tuple[Piece, ...]:
+        return tuple(Piece(work=w, count=c, label=lbl, compute_s=w.compute_s) for w, c, lbl, keep in items if keep and c)
+
+    fwd = pieces((p.fwd_pre, 1, "embed fwd", first), (p.fwd_block, n, "block fwd", True), (p.fwd_post, 1, "head fwd", last))
+    bwd_items = ((p.bwd_post, 1, "head bwd", last), (p.bwd_block, n, "block bwd", True), (p.bwd_pre, 1, "embed bwd", first))
+    bwd = pieces(*bwd_items)
+    bwd_i = tuple(Piece(work=dataclasses.replace(w, reduce=()), count=c, label=lbl.replace("bwd", "bwd-I"),
+                        compute_s=w.compute_s - w.weight_grad_s) for w, c, lbl, keep in bwd_items if keep and c)
+    bwd_w = tuple(Piece(work=Work(compute_s=w.weight_grad_s, reduce=w.reduce), count=c,
+                        label=lbl.replace("bwd", "bwd-W"), compute_s=w.weight_grad_s)
+                  for w, c, lbl, keep in bwd_items if keep and c)
+    opt = pieces((p.opt_block, n, "optimizer", True), (p.opt_first, 1, "optimizer (embed)", first),
+                 (p.opt_last, 1, "optimizer (head)", last))
+    return StagePlan(forward=fwd, backward=bwd, backward_input=bwd_i, backward_weight=bwd_w, optimizer=opt)
+
+
+def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: list[Action], rank: int,
+            stage_rank: list[int]) -> StageMemory:
+    mine = [s for s, r in enumerate(stage_rank) if r == rank]
+    last = len(layers) - 1
+    state = StateBytes()
+    saved: dict[int, int] = {}
+    gathered = peak_out = 0
+    for s in mine:
+        state = state + p.block_state * layers[s]
+        if s == 0:
+            state = state + p.first_state
+        if s == last:
+            state = state + p.last_state
+        saved[s] = (p.fwd_block.saved_bytes * layers[s] + (p.fwd_pre.saved_bytes if s == 0 else 0)
+                    + (p.fwd_post.saved_bytes if s == last else 0))
+        works = [pc.work for pc in (*plans[s].forward, *plans[s].backward)]
+        gathered = max([gathered, *(2 * w.gather_bytes for w in works)])
+        peak_out = max([peak_out, *(w.peak_output_bytes for w in works)])
+    live: dict[tuple[int, int], int] = {}
+    act_peak = most = 0
+    for a in actions:
+        if a.kind is Kind.F:
+            live[(a.stage, a.mb)] = saved.get(a.stage, 0)
+            act_peak = max(act_peak, sum(live.values()))
+            most = max(most, len(live))
+        elif a.kind in (Kind.B, Kind.I):
+            live.pop((a.stage, a.mb), None)
+    return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
+                       activations_bytes=act_peak, in_flight=most, transient_bytes=gathered + peak_out)
+
+
+def _result(model: Model, cluster: Cluster, layout: Layout, training: Training, trace: Trace, priced: PricedClass,
+            run: EngineResult, memory: tuple[StageMemory, ...], micro: int, links: Mapping[str, AxisLink],
+            schedule: Schedule, interleave: int) -> StepResult:
+    crit = run.ranks[run.critical_rank]
+    breakdown = StepBreakdown(compute_s=crit.compute_s, exposed_comm_s=dict(sorted(crit.exposed.items())),
+                              bubble_s=crit.bubble_s, optimizer_s=crit.optimizer_s, p2p_s=crit.p2p_s)
+    step = run.step_time_s
+    full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+    by_phase = full.summary().flops_by_phase
+    replicas = cluster.world_size // layout.degree(Axis.PP)
+    fwd = by_phase.get("forward", 0) * micro * replicas
+    executed = (by_phase.get("forward", 0) + by_phase.get("backward", 0)) * micro * replicas
+    peak = cluster.device.peak_flops_per_s(str(DTYPES[training.dtype]).removeprefix("torch."))
+    world_peak = peak * cluster.world_size
+    seq = training.seq_len or model.seq_len or 0
+    top = max(memory, key=lambda m: m.peak_bytes)
+    capacity = cluster.device.memory_bytes
+    feasible = top.peak_bytes <= capacity
+    reason = None if feasible else (
+        f"memory: pipeline rank {top.rank} needs {top.peak_bytes / 1e9:.1f} GB at its peak "
+        f"(state {(top.params_bytes + top.grads_bytes + top.optimizer_bytes) / 1e9:.1f} GB, activations "
+        f"{top.activations_bytes / 1e9:.1f} GB for {top.in_flight} micro-batches, transient "
+        f"{top.transient_bytes / 1e9:.1f} GB) but {cluster.device.name} has {capacity / 1e9:.1f} GB")
+    return StepResult(
+        step_time_s=step,
+        tokens_per_s=training.global_batch * seq / step if step > 0 else 0.0,
+        mfu=3 * fwd / (step * world_peak) if step > 0 else 0.0,
+        hfu=executed / (step * world_peak) if step > 0 else 0.0,
+        peak_memory_bytes=top.peak_bytes,
+        memory=memory,
+        feasible=feasible,
+        reason=reason,
+        breakdown=breakdown,
+        links={k: v.to_dict() for k, v in sorted(links.items())},
+        layout={
+            "degrees": {a.value: layout.degree(a) for a in layout.order},
+            "order": layout.order_text(),
+            "micro_batch": training.micro_batch,
+            "microbatches": micro,
+            "global_batch": training.global_batch,
+            "seq_len": seq,
+            "dtype": training.dtype,
+            "schedule": schedule.value if layout.degree(Axis.PP) > 1 else None,
+            "interleave": interleave,
+            "recompute": training.recompute,
+            "sequence_parallel": training.sequence_parallel,
+        },
+        world_size=cluster.world_size,
+        device=cluster.device.name,
+        capacity_bytes=capacity,
+        measured_ops=priced.measured_ops,
+        roofline_ops=priced.roofline_ops,
+        extra={"critical_rank": run.critical_rank} if layout.degree(Axis.PP) > 1 else {},
+    )
