@@ -17,12 +17,17 @@ the top. Readers that know only the RFC ignore them.
 
 The reader accepts both published variants (``channels.value`` without ``type``, and
 ``channels.count`` with it), numbers where strings are expected, and the units ``ns``,
-``us``, ``ms``, ``s`` and ``GB/s``, ``GiB/s``, ``MB/s``, ``Gb/s``, ``Mb/s``.
+``us``, ``ms``, ``s`` and ``GB/s``, ``GiB/s``, ``MB/s``, ``Gb/s``, ``Mb/s``. A pair may be
+listed in one direction or both; listed in both, the two must describe the same
+connection (topomesh's model, like NCCL's, has one connection per pair), else the file is
+refused naming both places. Rank keys are decimal digits exactly; ``world_size``,
+``local_rank`` (below the world size) and ``restart_count`` are whole numbers.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Callable, Mapping
 from functools import cache
@@ -57,6 +62,11 @@ _BANDWIDTH_TO_GBPS = {
     "gb/sec": 1.0,
 }
 _BITS = {"Gb/s": 1 / 8, "Gbit/s": 1 / 8, "Mb/s": 1e-3 / 8, "Gbps": 1 / 8}
+MAX_INT = 2**31 - 1
+"""Largest whole number accepted in an integer field (restart counts, channels, local ranks):
+bigger values are damage, and would make over-long file names or overflow arithmetic."""
+_RANK_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # fullmatch: no sign, no leading zero, no "\n"
+_WHOLE = re.compile(r"-?(0|[1-9][0-9]{0,18})")
 
 
 @cache
@@ -125,15 +135,45 @@ def dumps(topo: Topology) -> str:
 # ---------------------------------------------------------------------------- reading
 
 
+def _show(value: Any) -> str:
+    """``repr`` of a value from a file, cut short so an error stays one line."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+
+
 def _num(value: Any, where: str, source: str) -> float:
-    if isinstance(value, bool):
-        raise TopologyError(f"expected a number, got {value!r}", source=source, where=where)
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TopologyError(f"expected a number, got {_show(value)}", source=source, where=where)
     try:
         x = float(value)
-    except (TypeError, ValueError):
-        raise TopologyError(f"expected a number, got {value!r}", source=source, where=where) from None
+    except ValueError:
+        raise TopologyError(f"expected a number, got {_show(value)}", source=source, where=where) from None
+    except OverflowError:  # an int beyond a double's range
+        raise TopologyError(f"expected a finite number >= 0, got {_show(value)}", source=source, where=where) from None
     if not np.isfinite(x) or x < 0:
-        raise TopologyError(f"expected a finite number >= 0, got {value!r}", source=source, where=where)
+        raise TopologyError(f"expected a finite number >= 0, got {_show(value)}", source=source, where=where)
+    return x
+
+
+def whole(value: Any, where: str, source: str, *, low: int = 0, high: int = MAX_INT) -> int:
+    """An integer field: a JSON integer, a whole JSON number (``8.0``) or a decimal string
+    (``"8"``, as the RFC writes values), within ``low..high``.
+
+    Refused with the place: booleans, fractions (``8.7``), other text (``"+4"``, ``"٤"``,
+    ``"8\n"``), and values out of range, which are checked before any conversion that
+    could overflow.
+    """
+    x: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        x = value
+    elif (isinstance(value, float) and np.isfinite(value) and value.is_integer()) or (
+        isinstance(value, str) and _WHOLE.fullmatch(value)
+    ):
+        x = int(value)
+    if x is None:
+        raise TopologyError(f"expected a whole number, got {_show(value)}", source=source, where=where)
+    if not low <= x <= high:
+        raise TopologyError(f"expected a whole number in {low}..{high}, got {_show(value)}", source=source, where=where)
     return x
 
 
@@ -141,8 +181,16 @@ def _latency_us(m: Mapping[str, Any], where: str, source: str) -> float:
     unit = str(m.get("measurement", "us")).strip()
     factor = _LATENCY_TO_US.get(unit.lower())
     if factor is None:
-        raise TopologyError(f"unknown latency unit {unit!r} (use us, ms, ns or s)", source=source, where=where)
-    return _num(m.get("value"), where, source) * factor
+        raise TopologyError(f"unknown latency unit {_show(unit)} (use us, ms, ns or s)", source=source, where=where)
+    return _scaled(m.get("value"), factor, unit, where, source)
+
+
+def _scaled(value: Any, factor: float, unit: str, where: str, source: str) -> float:
+    """``value`` in ``unit`` converted by ``factor``; finite after the conversion too."""
+    x = _num(value, where, source) * factor
+    if not np.isfinite(x):
+        raise TopologyError(f"{_show(value)} {unit} is too large once converted", source=source, where=where)
+    return x
 
 
 def _bandwidth_GBps(m: Mapping[str, Any], where: str, source: str) -> float:
@@ -152,9 +200,9 @@ def _bandwidth_GBps(m: Mapping[str, Any], where: str, source: str) -> float:
         factor = _BANDWIDTH_TO_GBPS.get(unit.lower())
     if factor is None:
         raise TopologyError(
-            f"unknown bandwidth unit {unit!r} (use GB/s, GiB/s, MB/s, Gb/s or Mb/s)", source=source, where=where
+            f"unknown bandwidth unit {_show(unit)} (use GB/s, GiB/s, MB/s, Gb/s or Mb/s)", source=source, where=where
         )
-    return _num(m.get("value"), where, source) * factor
+    return _scaled(m.get("value"), factor, unit, where, source)
 
 
 def connection_from_dict(c: Mapping[str, Any], where: str, source: str) -> Connection:
@@ -193,8 +241,10 @@ def connection_from_dict(c: Mapping[str, Any], where: str, source: str) -> Conne
     if isinstance(ch, Mapping):
         raw = ch.get("count", ch.get("value"))
         x = _num(raw, where + ".channels", source)
-        if x != int(x):
-            raise TopologyError(f"channels must be a whole number, got {raw!r}", source=source, where=where + ".channels")
+        if x != int(x) or x > MAX_INT:
+            raise TopologyError(
+                f"channels must be a whole number in 0..{MAX_INT}, got {_show(raw)}", source=source, where=where + ".channels"
+            )
         channels = int(x)
     measured = any(isinstance(m, Mapping) and m.get("source") == "measured" for m in (lat, bw))
     return Connection(kind=kind, latency_us=latency, bandwidth_GBps=bandwidth, channels=channels, measured=measured)
@@ -224,22 +274,36 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
     validate(doc, source)
     raw_ranks: Mapping[str, Any] = doc["ranks"]
     n = len(raw_ranks)
-    ids = sorted(int(k) for k in raw_ranks)
-    if ids != list(range(n)):
-        missing = sorted(set(range(n)) - set(ids))
+    for k in raw_ranks:
+        _rank_key(k, None, "rank", "$.ranks", source)
+    missing = [r for r in range(n) if str(r) not in raw_ranks]
+    if missing:
         raise TopologyError(f"ranks must be 0..{n - 1}; missing {missing[:5]}", source=source, where="$.ranks")
+    if "world_size" in doc and whole(doc["world_size"], "$.world_size", source) != n:
+        raise TopologyError(
+            f"world_size is {_show(doc['world_size'])} but the file lists {n} ranks", source=source, where="$.world_size"
+        )
     pairs: dict[tuple[int, int], Connection] = {}
+    first: dict[tuple[int, int], str] = {}
     for a in range(n):
         peers = raw_ranks[str(a)]["peers"]
         for pk, pv in peers.items():
-            b = int(pk)
+            b = _rank_key(pk, n, "peer", f"$.ranks.{a}.peers", source)
             where = f"$.ranks.{a}.peers.{b}.connection"
-            if b >= n:
-                raise TopologyError(f"peer {b} is not a rank of this {n}-rank world", source=source, where=where)
             if b == a:
                 continue
             conn = connection_from_dict(pv["connection"], where, source)
-            pairs.setdefault((min(a, b), max(a, b)), conn)
+            key = (min(a, b), max(a, b))
+            seen = pairs.setdefault(key, conn)
+            if seen != conn:
+                # the model (and NCCL) has one connection per pair: a file that says two is damaged
+                raise TopologyError(
+                    f"ranks {a} and {b} disagree about their connection ({_describe(seen)} at {first[key]}, "
+                    f"{_describe(conn)} here); a pair has one connection in both directions",
+                    source=source,
+                    where=where,
+                )
+            first.setdefault(key, where)
     for a in range(n):
         for b in range(a + 1, n):
             if (a, b) not in pairs:
@@ -252,9 +316,29 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
         ranks=tuple(placement),
         table=table,
         run_id=doc.get("run_id") if isinstance(doc.get("run_id"), str) else None,
-        restart_count=int(_num(restart, "$.restart_count", source)) if restart is not None else None,
+        restart_count=whole(restart, "$.restart_count", source) if restart is not None else None,
         source=source,
     )
+
+
+def _rank_key(key: str, n: int | None, what: str, where: str, source: str) -> int:
+    """A rank id used as a key: decimal digits exactly (no ``"1\n"``, ``"01"``, ``"+1"``),
+    below the world size ``n`` when given; checked before ``int()`` so 5,000 digits cost
+    nothing. ``what`` names the key in the error (``rank``, ``peer``)."""
+    if not _RANK_KEY.fullmatch(key):
+        raise TopologyError(
+            f"{what} key {_show(key)} is not a rank id (0, 1, 2, ... without signs, spaces or leading zeros)",
+            source=source,
+            where=where,
+        )
+    r = int(key)
+    if n is not None and r >= n:
+        raise TopologyError(f"{what} {r} is not a rank of this {n}-rank world", source=source, where=where)
+    return r
+
+
+def _describe(c: Connection) -> str:
+    return f"{c.kind.value} {c.latency_us:g} us {c.bandwidth_GBps:g} GB/s x{c.channels}"
 
 
 def _hosts_and_placement(
@@ -294,7 +378,7 @@ def _hosts_and_placement(
         entry = raw_ranks[str(r)]
         host = hosts[index[names[r]]]
         local = entry.get("local_rank")
-        local_rank = int(_num(local, f"$.ranks.{r}.local_rank", source)) if local is not None else seen[names[r]]
+        local_rank = whole(local, f"$.ranks.{r}.local_rank", source, high=n - 1) if local is not None else seen[names[r]]
         seen[names[r]] += 1
         device = entry.get("device") if isinstance(entry.get("device"), str) else None
         if device is not None and host.devices and device not in {dv.id for dv in host.devices}:
@@ -366,8 +450,6 @@ def table_from_pairs(
 
 
 def loads(text: str, *, source: str = "<topology>") -> Topology:
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TopologyError(f"not valid JSON ({exc.msg})", source=source, where=f"line {exc.lineno} column {exc.colno}") from None
-    return from_dict(doc, source=source)
+    from topomesh.topology.api import loads_bounded  # api imports this module
+
+    return from_dict(loads_bounded(text, source=source), source=source)
