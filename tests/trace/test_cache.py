@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import hashlib
+import json
+import logging
+import os
+import pickle
+import re
+import stat
 from collections import Counter
+from pathlib import Path
 
 import pytest
+import torch
 
 import topomesh.trace.cache as cache_mod
+from topomesh.errors import TraceError
 from topomesh.models.parallelize import ParallelOptions, make_parallelize
 from topomesh.models.presets import get_preset
 from topomesh.trace.cache import TraceCache, callable_key, layout_class
-from topomesh.trace.tracer import transformer_spec
+from topomesh.trace.tracer import default_optimizer, transformer_spec
 
 
 @pytest.fixture
@@ -24,6 +35,26 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cache_mod, "trace_step", wrapper)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def tiny_trace():  # noqa: ANN201
+    from topomesh.trace.tracer import trace_step
+
+    return trace_step(transformer_spec(get_preset("tiny-gpt")), make_parallelize(), {"tp": 2}, n_layers=1)
+
+
+@pytest.fixture
+def fast(monkeypatch: pytest.MonkeyPatch, tiny_trace) -> list[dict]:  # noqa: ANN001
+    """Like ``counted``, but every trace is the module's one real trace (no tracing per test)."""
+    calls: list[dict] = []
+
+    def fake(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(dict(layout=args[2], **kwargs))
+        return tiny_trace
+
+    monkeypatch.setattr(cache_mod, "trace_step", fake)
     return calls
 
 
@@ -51,8 +82,7 @@ def test_one_trace_per_class_and_composed_depth(counted: list[dict], tmp_path) -
 def test_corrupt_file_is_retraced(counted: list[dict], tmp_path) -> None:  # noqa: ANN001
     spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
     TraceCache(tmp_path).get(spec, par, {"tp": 2})
-    (path,) = tmp_path.glob("*.trace.pkl")
-    path.write_bytes(b"not a pickle")
+    _entry(tmp_path).write_bytes(b"not gzip'd JSON")
     t = TraceCache(tmp_path).get(spec, par, {"tp": 2})
     assert len(counted) == 2 and t.layout == (("tp", 2),)
 
@@ -61,3 +91,155 @@ def test_callable_key_names_bound_options() -> None:
     key = callable_key(make_parallelize(ParallelOptions(sequence_parallel=False)))
     assert key.startswith("topomesh.models.parallelize.parallelize_transformer(")
     assert "sequence_parallel=False" in key
+
+
+def _entry(tmp_path) -> Path:  # noqa: ANN001
+    (path,) = tmp_path.glob("*.trace.json.gz")
+    return path
+
+
+def test_files_are_private_json_and_hold_the_full_key(fast: list[dict], tmp_path) -> None:  # noqa: ANN001
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    d = tmp_path / "traces"
+    cache = TraceCache(d)
+    trace = cache.get(spec, par, {"tp": 2})
+    path = _entry(d)
+    key = cache.key(spec, par, {"tp": 2}, batch_size=1, dtype=torch.bfloat16, optimizer=default_optimizer)
+    assert path.name == hashlib.sha256(key.encode()).hexdigest()[:32] + ".trace.json.gz"
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", 3, key)
+    assert key.endswith("|format3")
+    assert doc["trace"]["layout"] == [["tp", 2]] and doc["trace"]["model"] == trace.model
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: what an attacker's pickle would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_planted_pickle_is_never_executed(fast: list[dict], tmp_path) -> None:  # noqa: ANN001
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    d = tmp_path / "traces"
+    cache = TraceCache(d)
+    key = cache.key(spec, par, {"tp": 2}, batch_size=1, dtype=torch.bfloat16, optimizer=default_optimizer)
+    stem = hashlib.sha256(key.encode()).hexdigest()[:32]
+    marker = tmp_path / "pwned"
+    bomb = pickle.dumps((key, _Payload(marker)))
+    (d / f"{stem}.trace.pkl").write_bytes(bomb)  # the name the pickle cache used
+    (d / f"{stem}.trace.json.gz").write_bytes(bomb)  # and the name it has now
+    (d / f"{stem}.trace.json.gz").chmod(0o600)
+    assert not marker.exists()
+    trace = cache.get(spec, par, {"tp": 2})
+    assert not marker.exists() and len(fast) == 1 and trace.layout == (("tp", 2),)
+    # the planted file was replaced by a real entry that the next cache reads
+    TraceCache(d).get(spec, par, {"tp": 2})
+    assert len(fast) == 1 and not marker.exists()
+
+
+def _tamper(path: Path, edit) -> None:  # noqa: ANN001
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    edit(doc)
+    path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+
+
+def _first_op(doc: dict) -> dict:
+    return next(e for s in doc["trace"]["segments"] for e in s["events"] if e["type"] == "OpRecord" and e["flops"])
+
+
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        (lambda doc: _first_op(doc).update(flops=10**400), "flops: expected an integer from 0 to 2\\*\\*63-1"),
+        (lambda doc: _first_op(doc).update(flops=-5), "flops: expected an integer"),
+        (lambda doc: _first_op(doc).update(flops="1e9"), "flops: expected an integer"),
+        (lambda doc: _first_op(doc).update(flops=True), "flops: expected an integer"),
+        (lambda doc: _first_op(doc)["inputs"][0]["stride"].append(1), "inputs\\[0\\]: shape .* same length"),
+        (lambda doc: _first_op(doc).update(evil=1), "unknown keys \\['evil'\\]"),
+        (lambda doc: doc["trace"].update(n_layers=0), "traced_layers 1, n_layers 0"),
+        (lambda doc: doc.update(key="someone else's key"), "stored for a different key"),
+        (lambda doc: doc.update(version=2), "not a topomesh-trace file of version 3"),
+    ],
+)
+def test_a_tampered_entry_is_ignored_and_replaced(fast, tmp_path, caplog, edit, reason) -> None:  # noqa: ANN001
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    first = TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    path = _entry(tmp_path)
+    _tamper(path, edit)
+    with caplog.at_level(logging.WARNING, logger="topomesh"):
+        again = TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    assert len(fast) == 2 and again == first
+    assert re.search(f"ignoring the trace cache file .*{reason}", caplog.text), caplog.text
+    TraceCache(tmp_path).get(spec, par, {"tp": 2})  # overwritten with a good entry
+    assert len(fast) == 2
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"not gzip",
+        gzip.compress(b"[" * 100_000 + b"]" * 100_000),  # RecursionError in json
+        gzip.compress(b'{"format": "topomesh-trace", "version": NaN}'),
+        gzip.compress(b'{"version": ' + b"9" * 5000 + b"}"),  # past int's digit limit
+        gzip.compress(b"\xff\xfe not utf-8"),
+    ],
+)
+def test_malformed_files_never_crash(fast: list[dict], tmp_path, data: bytes) -> None:  # noqa: ANN001
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    _entry(tmp_path).write_bytes(data)
+    TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    assert len(fast) == 2
+
+
+def test_gzip_bombs_are_refused_unpacked_only_to_the_limit(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(cache_mod, "MAX_JSON_BYTES", 1000)
+    path = tmp_path / "x.trace.json.gz"
+    path.write_bytes(gzip.compress(b" " * 10**6))
+    with pytest.raises(TraceError, match="unpacks to more than 1000 bytes"):
+        cache_mod._read_entry(path, "k")
+
+
+def test_a_shared_or_foreign_directory_is_not_used(fast, tmp_path, caplog, monkeypatch) -> None:  # noqa: ANN001
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="topomesh"):
+        cache = TraceCache(open_dir)
+    assert cache.directory is None and "mode 0777" in caplog.text and "in memory only" in caplog.text
+    cache.get(spec, par, {"tp": 2})
+    assert list(open_dir.iterdir()) == []
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    real = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real + 1)
+    assert TraceCache(theirs).directory is None
+
+
+def test_default_directory_under_the_cache_dir(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path / "c"))
+    assert cache_mod.default_directory() == tmp_path / "c" / "traces"
+
+
+def test_only_regular_files_of_this_user_are_read(fast, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    cache = TraceCache(tmp_path)
+    cache.get(spec, par, {"tp": 2})
+    key = cache.key(spec, par, {"tp": 2}, batch_size=1, dtype=torch.bfloat16, optimizer=default_optimizer)
+    path = _entry(tmp_path)
+    assert cache_mod._read_entry(path, key).layout == (("tp", 2),)
+    real = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real + 1)  # the file now belongs to "someone else"
+    with pytest.raises(TraceError, match="not a regular file of this user"):
+        cache_mod._read_entry(path, key)
+    monkeypatch.setattr(os, "getuid", lambda: real)
+    link = tmp_path / "link.trace.json.gz"
+    link.symlink_to(path)
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        cache_mod._read_entry(link, key)

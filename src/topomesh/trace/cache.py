@@ -5,25 +5,42 @@ A *layout class* is what a rank's trace depends on: the degrees of the traced me
 Axis order does not change one rank's ops or group sizes, so ``{"tp": 8, "dp_shard": 4}``
 and ``{"dp_shard": 4, "tp": 8}`` share a trace.
 
-:class:`TraceCache` keeps traces in a dict it owns and, when given a directory, in pickle
-files there (written atomically, keyed by a SHA-256 of the key, the torch version and
-:data:`TRACE_FORMAT`), so separate searches reuse them too. A deep model is traced with one
-block and composed (:meth:`~topomesh.trace.result.Trace.compose`).
+:class:`TraceCache` keeps traces in a dict it owns and, when given a directory, in files
+there, so separate searches reuse them too. A deep model is traced with one block and
+composed (:meth:`~topomesh.trace.result.Trace.compose`).
+
+On disk a trace is gzip'd JSON (:mod:`topomesh.trace.codec`; nothing in it can run code):
+``{"format": "topomesh-trace", "version": TRACE_FORMAT, "key": <full key>, "trace": {...}}``
+in ``<sha256(key)[:32]>.trace.json.gz``, written atomically with mode 0600 into a private
+directory (:func:`topomesh.privdir.private_directory`: 0700, ours; a directory that is not
+gets a warning and the cache stays in memory). A file is used only when it is a regular
+file of ours, at most :data:`MAX_FILE_BYTES` (:data:`MAX_JSON_BYTES` unpacked), of this
+format and version, stores exactly the key asked for and passes the codec's checks;
+anything else is logged, traced again and overwritten. The default directory is
+``$TOPOMESH_CACHE_DIR/traces`` (:func:`default_directory`).
 """
 
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
+import json
+import logging
 import os
-import pickle
+import stat
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from topomesh.errors import TraceError
 from topomesh.layout.dims import Axis
+from topomesh.privdir import private_directory
 from topomesh.topology.api import write_atomic
+from topomesh.trace import codec
 from topomesh.trace.result import Trace
 from topomesh.trace.tracer import (
     ModelSpec,
@@ -60,18 +77,38 @@ def callable_key(fn: Callable | None) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-TRACE_FORMAT = 2
-"""Part of every cache key; raised when the tracer or the built-in models change what a trace
-holds, so traces stored by an older topomesh are not reused (2: context parallel, attention
-as its own ``sdpa`` module, GPT positions as a buffer)."""
+TRACE_FORMAT = 3
+"""Part of every cache key and file; raised when the tracer or the built-in models change what a
+trace holds, so traces stored by an older topomesh are not reused (2: context parallel, attention
+as its own ``sdpa`` module, GPT positions as a buffer; 3: JSON files instead of pickle)."""
+
+FILE_FORMAT = "topomesh-trace"
+MAX_FILE_BYTES = 64 * 2**20
+"""Largest cache file read (gzip'd)."""
+MAX_JSON_BYTES = 512 * 2**20
+"""Largest unpacked JSON accepted from a cache file (a bound against gzip bombs)."""
+
+log = logging.getLogger("topomesh")
+
+
+def default_directory() -> Path:
+    """``$TOPOMESH_CACHE_DIR/traces`` (default ``~/.cache/topomesh/traces``)."""
+    from topomesh.cost.devices import cache_dir
+
+    return cache_dir() / "traces"
 
 
 class TraceCache:
     """Traces by (model key, parallelize key, layout class, batch size, dtype)."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        """Traces in memory, and in ``directory`` when given (see :func:`default_directory`).
+
+        A directory that cannot be made private (another user's, open to others, a symlink,
+        not a directory) is not used: a warning says why and traces stay in memory.
+        """
         self._traces: dict[str, Trace] = {}
-        self.directory = Path(directory) if directory is not None else None
+        self.directory = _usable_directory(Path(directory)) if directory is not None else None
         self.hits = 0
         self.misses = 0
 
@@ -129,22 +166,70 @@ class TraceCache:
     def _path(self, key: str) -> Path | None:
         if self.directory is None:
             return None
-        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.trace.pkl"
+        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.trace.json.gz"
 
     def _load(self, key: str) -> Trace | None:
         path = self._path(key)
-        if path is None or not path.is_file():
+        if path is None:
             return None
         try:
-            with path.open("rb") as f:
-                stored_key, trace = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError):
-            return None  # unreadable or stale: trace again and overwrite
-        return trace if stored_key == key and isinstance(trace, Trace) else None
+            return _read_entry(path, key)
+        except FileNotFoundError:
+            return None
+        except (OSError, TraceError) as exc:
+            log.warning("topomesh: ignoring the trace cache file %s (%s); tracing again", path, exc)
+            return None
 
     def _store(self, key: str, trace: Trace) -> None:
         path = self._path(key)
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, pickle.dumps((key, trace), protocol=pickle.HIGHEST_PROTOCOL))
+        doc = {"format": FILE_FORMAT, "version": TRACE_FORMAT, "key": key, "trace": codec.to_json(trace)}
+        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        try:
+            write_atomic(path, gzip.compress(data, compresslevel=6, mtime=0), mode=0o600)
+        except OSError as exc:
+            log.warning("topomesh: cannot write the trace cache file %s (%s)", path, exc.strerror or exc)
+
+
+def _usable_directory(directory: Path) -> Path | None:
+    try:
+        return private_directory(directory, what="trace cache directory", error=TraceError)
+    except TraceError as exc:
+        log.warning("topomesh: %s; keeping traces in memory only", exc)
+        return None
+
+
+def _read_entry(path: Path, key: str) -> Trace:
+    """The trace stored in ``path`` for ``key``; OSError or TraceError saying why not."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise TraceError("not a regular file of this user")
+        packed = f.read(MAX_FILE_BYTES + 1)
+    if len(packed) > MAX_FILE_BYTES:
+        raise TraceError(f"larger than {MAX_FILE_BYTES} bytes")
+    try:
+        unpacker = zlib.decompressobj(wbits=31)  # gzip container
+        data = unpacker.decompress(packed, MAX_JSON_BYTES + 1)
+    except zlib.error as exc:
+        raise TraceError(f"not gzip data ({exc})") from None
+    if len(data) > MAX_JSON_BYTES or unpacker.unconsumed_tail:
+        raise TraceError(f"unpacks to more than {MAX_JSON_BYTES} bytes")
+    try:
+        doc: Any = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, 4300+ digit numbers
+        raise TraceError(f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT or doc.get("version") != TRACE_FORMAT:
+        raise TraceError(f"not a {FILE_FORMAT} file of version {TRACE_FORMAT}")
+    if doc.get("key") != key:
+        raise TraceError("stored for a different key")
+    try:
+        return codec.from_json(Trace, doc.get("trace"), "trace")
+    except RecursionError:
+        raise TraceError("nested too deeply") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")

@@ -1,0 +1,241 @@
+"""Traces as plain JSON, read back strictly: the only format a trace is stored in.
+
+:func:`to_json` and :func:`from_json` walk a frozen dataclass by its type hints (``int``,
+``float``, ``str``, ``bool``, a ``StrEnum``, ``X | None``, ``tuple[X, ...]``, fixed tuples,
+nested dataclasses, a union of dataclasses tagged by ``"type"``, and the free-form scalar
+``args`` of an op), so a field added to :class:`~topomesh.trace.result.Trace` or a record is
+stored without a second list of fields to keep in step. Nothing in the format can run code
+(the trace cache used pickle before :data:`topomesh.trace.cache.TRACE_FORMAT` 3).
+
+Reading is strict: every value must have its field's type (``true`` is not an integer),
+integers lie in ``[0, 2**63)``, floats are finite and non-negative, strings are at most
+:data:`MAX_STR` characters without control characters, lists hold at most
+:data:`MAX_ITEMS` items, unknown keys are refused, and per-class checks reject records no
+tracer writes (a tensor with more than 64 dimensions or 2**50 elements, a collective over
+no ranks, a trace composed to fewer layers than it traced). A violation raises
+:class:`~topomesh.errors.TraceError` naming the place (``trace.segments[3].events[7].flops``).
+Non-finite floats inside ``args`` (``-inf`` fill values) are written as ``{"float": "-inf"}``
+so the JSON itself stays standard (no ``NaN``/``Infinity`` literals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from topomesh.errors import TraceError
+from topomesh.trace.graph import CollectiveRecord, TensorMeta
+from topomesh.trace.result import Trace
+
+MAX_INT = 2**63 - 1
+"""Largest integer accepted anywhere (FLOPs, bytes, sizes): an int64, as torch stores them."""
+MAX_STR = 1000
+"""Longest string accepted (op names, dtypes, axis names, model keys)."""
+MAX_ITEMS = 10_000_000
+"""Longest list accepted (records of a segment, dims of a shape...)."""
+MAX_ARGS_DEPTH = 8
+"""Deepest nesting of an op's scalar arguments (lists of lists of ints)."""
+MAX_DIMS = 64
+MAX_NUMEL = 2**50
+"""Most elements of one tensor (2**50 bf16 elements are 2 PiB: no device holds that)."""
+MAX_GROUP = 2**24
+"""Most ranks in one collective's group."""
+
+_NONFINITE = MappingProxyType({"inf": math.inf, "-inf": -math.inf, "nan": math.nan})
+
+
+def _check_tensor(t: TensorMeta) -> str | None:
+    if len(t.shape) > MAX_DIMS or len(t.stride) != len(t.shape):
+        return f"shape {list(t.shape)} and stride {list(t.stride)} must have the same length, at most {MAX_DIMS}"
+    if math.prod(t.shape) > MAX_NUMEL:
+        return f"shape {list(t.shape)} has more than {MAX_NUMEL} elements"
+    return None
+
+
+def _check_collective(c: CollectiveRecord) -> str | None:
+    return None if 1 <= c.group_size <= MAX_GROUP else f"group_size {c.group_size} is not in [1, {MAX_GROUP}]"
+
+
+def _check_trace(t: Trace) -> str | None:
+    if not 1 <= t.traced_layers <= t.n_layers or t.batch_size < 1:
+        return (f"traced_layers {t.traced_layers}, n_layers {t.n_layers} and batch_size {t.batch_size} must "
+                "satisfy 1 <= traced_layers <= n_layers and batch_size >= 1")
+    if any(d < 1 for _, d in t.layout):
+        return f"layout {list(t.layout)} has a degree below 1"
+    return None
+
+
+_CHECKS: Mapping[type, Callable[[Any], str | None]] = MappingProxyType(
+    {TensorMeta: _check_tensor, CollectiveRecord: _check_collective, Trace: _check_trace}
+)
+"""Checks a record must pass beyond its field types; a message says what is wrong."""
+
+
+@functools.cache
+def _hints(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, resolved type, required) for each init field of dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+        if f.init
+    )
+
+
+def _union_members(tp: Any) -> tuple[Any, ...] | None:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return typing.get_args(tp)
+    return None
+
+
+def to_json(value: Any, tp: Any = None) -> Any:
+    """``value`` (a dataclass, or of type ``tp``) as JSON-ready lists, dicts and scalars."""
+    tp = type(value) if tp is None else tp
+    members = _union_members(tp)
+    if members is not None:
+        if value is None:
+            return None
+        (match,) = [m for m in members if m is not type(None) and isinstance(value, m)] or [type(value)]
+        out = to_json(value, match)
+        return {"type": match.__name__, **out} if sum(dataclasses.is_dataclass(m) for m in members) > 1 else out
+    if dataclasses.is_dataclass(tp):
+        return {name: to_json(getattr(value, name), hint) for name, hint, _ in _hints(tp)}
+    if tp is tuple:
+        return _args_to_json(value)
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return [to_json(v, args[0]) for v in value]
+        return [to_json(v, a) for v, a in zip(value, args, strict=True)]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return value.value
+    if tp in (int, str, bool):
+        return value
+    if tp is float:
+        return float(value)
+    raise TypeError(f"to_json: unsupported field type {tp!r}")
+
+
+def _args_to_json(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_args_to_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    return value
+
+
+def from_json(tp: Any, raw: Any, where: str = "$") -> Any:
+    """The value of type ``tp`` that ``raw`` (parsed JSON) stands for; :class:`TraceError`
+    naming ``where`` (a JSON path) when ``raw`` is not exactly that."""
+    members = _union_members(tp)
+    if members is not None:
+        if raw is None and type(None) in members:
+            return None
+        classes = [m for m in members if dataclasses.is_dataclass(m)]
+        if len(classes) > 1:
+            if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+                raise TraceError(f"{where}: expected an object with a 'type' of {[c.__name__ for c in classes]}")
+            by_name = {c.__name__: c for c in classes}
+            cls = by_name.get(raw["type"])
+            if cls is None:
+                raise TraceError(f"{where}.type: {raw['type'][:40]!r} is not one of {sorted(by_name)}")
+            return from_json(cls, {k: v for k, v in raw.items() if k != "type"}, where)
+        (inner,) = [m for m in members if m is not type(None)]
+        return from_json(inner, raw, where)
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_from_json(tp, raw, where)
+    if tp is tuple:
+        return _args_from_json(raw, where, 0)
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(raw, list) or len(raw) > MAX_ITEMS:
+            raise TraceError(f"{where}: expected a list of at most {MAX_ITEMS} items")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_json(args[0], v, f"{where}[{i}]") for i, v in enumerate(raw))
+        if len(raw) != len(args):
+            raise TraceError(f"{where}: expected a list of {len(args)} items, got {len(raw)}")
+        return tuple(from_json(a, v, f"{where}[{i}]") for i, (v, a) in enumerate(zip(raw, args, strict=True)))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(raw)
+        except ValueError:
+            raise TraceError(f"{where}: {str(raw)[:40]!r} is not one of {[m.value for m in tp]}") from None
+    return _scalar(tp, raw, where)
+
+
+def _scalar(tp: type, raw: Any, where: str) -> Any:
+    if tp is int:
+        if type(raw) is not int or not 0 <= raw <= MAX_INT:
+            raise TraceError(f"{where}: expected an integer from 0 to 2**63-1, got {_show(raw)}")
+        return raw
+    if tp is float:
+        if type(raw) not in (int, float) or not math.isfinite(raw) or raw < 0:
+            raise TraceError(f"{where}: expected a finite non-negative number, got {_show(raw)}")
+        return float(raw)
+    if tp is bool:
+        if type(raw) is not bool:
+            raise TraceError(f"{where}: expected true or false, got {_show(raw)}")
+        return raw
+    if tp is str:
+        if type(raw) is not str or len(raw) > MAX_STR or any(ord(c) < 0x20 or ord(c) == 0x7F for c in raw):
+            raise TraceError(f"{where}: expected a string of at most {MAX_STR} printable characters, got {_show(raw)}")
+        return raw
+    raise TypeError(f"from_json: unsupported field type {tp!r}")
+
+
+def _show(raw: Any) -> str:
+    """A short, printable form of a bad value for a message."""
+    if type(raw) is int:
+        return str(raw) if raw.bit_length() < 128 else f"an integer of {raw.bit_length()} bits"
+    return ascii(raw)[:40]
+
+
+def _dataclass_from_json(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise TraceError(f"{where}: expected an object for {cls.__name__}, got {type(raw).__name__}")
+    hints = _hints(cls)
+    unknown = set(raw) - {name for name, _, _ in hints}
+    if unknown:
+        raise TraceError(f"{where}: unknown keys {sorted(unknown)[:5]} for {cls.__name__}")
+    values = {}
+    for name, hint, required in hints:
+        if name in raw:
+            values[name] = from_json(hint, raw[name], f"{where}.{name}")
+        elif required:
+            raise TraceError(f"{where}: {cls.__name__} needs the key {name!r}")
+    try:
+        obj = cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"{where}: not a valid {cls.__name__} ({exc})") from None
+    check = _CHECKS.get(cls)
+    problem = check(obj) if check else None
+    if problem:
+        raise TraceError(f"{where}: {problem}")
+    return obj
+
+
+def _args_from_json(raw: Any, where: str, depth: int) -> Any:
+    if isinstance(raw, list):
+        if depth >= MAX_ARGS_DEPTH or len(raw) > 4096:
+            raise TraceError(f"{where}: op arguments nested deeper than {MAX_ARGS_DEPTH} or longer than 4096")
+        return tuple(_args_from_json(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(raw))
+    if isinstance(raw, dict):
+        if set(raw) == {"float"} and raw["float"] in _NONFINITE:
+            return _NONFINITE[raw["float"]]
+        raise TraceError(f"{where}: an op argument object must be {{'float': 'inf' | '-inf' | 'nan'}}")
+    if type(raw) is int and abs(raw) > MAX_INT + 1:
+        raise TraceError(f"{where}: integer argument {_show(raw)} is outside int64")
+    if type(raw) is float and not math.isfinite(raw):
+        raise TraceError(f"{where}: non-finite argument must be written as {{'float': ...}}")
+    if type(raw) is str:
+        return _scalar(str, raw, where)
+    if raw is None or type(raw) in (int, float, bool):
+        return raw
+    raise TraceError(f"{where}: unsupported op argument {_show(raw)}")
