@@ -21,7 +21,7 @@ from pathlib import Path
 from topomesh.errors import TopomeshError
 
 # Subcommands in the order `topomesh --help` lists them.
-COMMANDS = ("discover", "show", "launch", "layout", "trace", "profile", "calibrate")
+COMMANDS = ("discover", "show", "launch", "layout", "trace", "profile", "calibrate", "simulate")
 
 
 # `launch` takes torchrun's own arguments and lives with the launcher.
@@ -76,9 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] == "launch":
-            from topomesh.launch.cli import main as launch_main
+            from topomesh.launch.cli import command as launch_command
 
-            return launch_main(argv[1:])
+            return launch_command(argv[1:])
         selected = next((a for a in argv if not a.startswith("-")), None)
         parser = build_parser(selected)
         args = parser.parse_args(argv)
@@ -87,7 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(args._run(args) or 0)
     except TopomeshError as exc:
-        print(f"topomesh: error: {exc}", file=sys.stderr)
+        try:
+            print(f"topomesh: error: {exc}", file=sys.stderr)
+        except BrokenPipeError:  # stderr is a closed pipe: the exit code still says it failed
+            pass
         return 2
     except KeyboardInterrupt:
         print("topomesh: interrupted", file=sys.stderr)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from topomesh.cost.cluster import AxisLink, Cluster, group_collective_time_s
-from topomesh.cost.ops import OpClass, op_class, op_time_s, profilable, profile_key
+from topomesh.cost.ops import OpClass, op_class, op_time_s, profilable
 from topomesh.layout.dims import Axis
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase
 from topomesh.trace.result import Part, Segment, StateBytes, Trace
@@ -111,20 +111,21 @@ def is_param_collective(rec: CollectiveRecord) -> bool:
 class Pricer:
     """Prices records on one cluster and placement, each distinct op signature once."""
 
-    def __init__(self, cluster: Cluster, link_of: Callable[[str], AxisLink], table: Mapping) -> None:
+    def __init__(self, cluster: Cluster, link_of: Callable[[str], AxisLink], table: Mapping,
+                 op_cache: dict[OpRecord, tuple[float, bool]] | None = None) -> None:
         self.cluster = cluster
         self.link_of = link_of
         self.table = table
-        self._ops: dict[tuple, tuple[float, bool]] = {}
+        self._ops = {} if op_cache is None else op_cache
+        """Op record -> (seconds, measured); share it between pricings on one cluster and table."""
         self.measured = 0
         self.roofline = 0
 
     def op_s(self, rec: OpRecord) -> float:
-        key = profile_key(rec)
-        hit = self._ops.get(key)
+        hit = self._ops.get(rec)
         if hit is None:
             cost = op_time_s(rec, self.cluster.device, self.table)
-            hit = self._ops[key] = (cost.seconds, cost.measured)
+            hit = self._ops[rec] = (cost.seconds, cost.measured)
         if hit[1]:
             self.measured += 1
         else:
@@ -200,6 +201,13 @@ def _per_block(work: Work, n: int) -> Work:
                 reduce=each(work.reduce), flops=work.flops // n, weight_grad_s=work.weight_grad_s / n,
                 saved_bytes=work.saved_bytes // n, peak_output_bytes=work.peak_output_bytes,
                 gather_bytes=work.gather_bytes // n)
+
+
+def collective_axes(trace: Trace) -> tuple[str, ...]:
+    """Mesh-axis names the trace's collectives run on (what its pricing depends on)."""
+    names = {e.mesh_axis or "" for s in trace.segments for e in (*s.events, *s.prefetch)
+             if isinstance(e, CollectiveRecord) and e.group_size > 1}
+    return tuple(sorted(names))
 
 
 def price_trace(trace: Trace, pricer: Pricer) -> PricedClass:

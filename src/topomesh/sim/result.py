@@ -89,6 +89,8 @@ class StepResult:
     roofline_ops: int = 0
     """Op records priced by the efficiency-aware roofline."""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    timeline: Any = field(default=None, compare=False, repr=False)
+    """With ``record=True``: the Chrome trace of the simulated step (not in ``to_dict``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

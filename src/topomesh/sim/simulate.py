@@ -25,9 +25,10 @@ from topomesh.errors import LayoutError
 from topomesh.layout.dims import Axis, Layout
 from topomesh.layout.place import place
 from topomesh.sim.engine import EngineResult, Piece, StagePlan, simulate_pipeline
-from topomesh.sim.price import PricedClass, Pricer, Work, price_trace
+from topomesh.sim.price import PricedClass, Pricer, Work, collective_axes, price_trace
 from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
 from topomesh.sim.schedules import Action, Kind, Schedule, action_order, rank_stages, stage_count
+from topomesh.sim.timeline import chrome_trace
 from topomesh.trace.cache import TraceCache
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord
 from topomesh.trace.result import StateBytes, Trace
@@ -141,14 +142,28 @@ class Simulator:
         return self.cache.get(self.model.spec, self.model.parallelize(training), degrees,
                               batch_size=training.micro_batch, dtype=DTYPES[training.dtype])
 
+    _memo: SimMemo = field(default_factory=lambda: SimMemo())
+
     def simulate(self, layout: Layout, training: Training, *, record: bool = False) -> StepResult:
         return simulate(self.model, self.cluster, layout, training, cache=self.cache, table=self.table,
-                        record=record, trace=self.trace(layout, training))
+                        record=record, trace=self.trace(layout, training), memo=self._memo)
+
+
+@dataclass(slots=True)
+class SimMemo:
+    """Work shared between simulations of one model on one cluster and op table: op times,
+    a priced class per (trace, links of its collective axes), a trace's FLOPs per phase.
+    Sharing is exact: the same inputs give the same numbers."""
+
+    ops: dict = field(default_factory=dict)
+    priced: dict = field(default_factory=dict)
+    flops: dict = field(default_factory=dict)
+    axes: dict = field(default_factory=dict)
 
 
 def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training, *,
              cache: TraceCache | None = None, table: Mapping | None = None, record: bool = False,
-             trace: Trace | None = None) -> StepResult:
+             trace: Trace | None = None, memo: SimMemo | None = None) -> StepResult:
     """One layout's training step on ``cluster`` (see the module docstring)."""
     if layout.world_size != cluster.world_size:
         raise LayoutError(
@@ -178,7 +193,14 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             links[name] = axis_link(cluster, placement, axes)
         return links[name]
 
-    priced = price_trace(trace, Pricer(cluster, link_of, table or {}))
+    memo = memo or SimMemo()
+    axes = memo.axes.get(id(trace.segments))
+    if axes is None:
+        axes = memo.axes[id(trace.segments)] = (trace.segments, collective_axes(trace))
+    signature = (id(trace.segments), tuple(link_of(a) for a in axes[1]))
+    priced = memo.priced.get(signature)
+    if priced is None:
+        priced = memo.priced[signature] = price_trace(trace, Pricer(cluster, link_of, table or {}, memo.ops))
     for a in layout.mesh_axes:
         if layout.degree(a) > 1:
             link_of(a.value)
@@ -201,7 +223,12 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
     run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=record)
     memory = tuple(_memory(priced, plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
-    return _result(model, cluster, layout, training, trace, priced, run, memory, micro, links, schedule, interleave)
+    flops = memo.flops.get(id(trace.segments))
+    if flops is None:
+        full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+        flops = memo.flops[id(trace.segments)] = (trace.segments, full.summary().flops_by_phase)
+    return _result(model, cluster, layout, training, flops[1], priced, run, memory, micro, links, schedule,
+                   interleave)
 
 
 def _stage_plan(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
@@ -254,15 +281,13 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
                        activations_bytes=act_peak, in_flight=most, transient_bytes=gathered + peak_out)
 
 
-def _result(model: Model, cluster: Cluster, layout: Layout, training: Training, trace: Trace, priced: PricedClass,
-            run: EngineResult, memory: tuple[StageMemory, ...], micro: int, links: Mapping[str, AxisLink],
-            schedule: Schedule, interleave: int) -> StepResult:
+def _result(model: Model, cluster: Cluster, layout: Layout, training: Training, by_phase: Mapping[str, int],
+            priced: PricedClass, run: EngineResult, memory: tuple[StageMemory, ...], micro: int,
+            links: Mapping[str, AxisLink], schedule: Schedule, interleave: int) -> StepResult:
     crit = run.ranks[run.critical_rank]
     breakdown = StepBreakdown(compute_s=crit.compute_s, exposed_comm_s=dict(sorted(crit.exposed.items())),
                               bubble_s=crit.bubble_s, optimizer_s=crit.optimizer_s, p2p_s=crit.p2p_s)
     step = run.step_time_s
-    full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
-    by_phase = full.summary().flops_by_phase
     replicas = cluster.world_size // layout.degree(Axis.PP)
     fwd = by_phase.get("forward", 0) * micro * replicas
     executed = (by_phase.get("forward", 0) + by_phase.get("backward", 0)) * micro * replicas
@@ -307,4 +332,6 @@ def _result(model: Model, cluster: Cluster, layout: Layout, training: Training, 
         measured_ops=priced.measured_ops,
         roofline_ops=priced.roofline_ops,
         extra={"critical_rank": run.critical_rank} if layout.degree(Axis.PP) > 1 else {},
+        timeline=chrome_trace(run.ranks, title=f"{model.spec.name} {layout.describe()} on {cluster.name}")
+        if run.ranks[0].spans is not None else None,
     )
