@@ -167,7 +167,7 @@ def memory_lower_bound_bytes(
     return state.per_param * params + layers * block_input
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)  # arrays: compared by identity
 class PruneResult:
     """Which (degree row, knob row) cells survive, and why the others do not."""
 

@@ -139,7 +139,7 @@ class Knobs:
     """Model chunks per pipeline stage (virtual stages); 1 unless ``interleaved-1f1b``."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)  # arrays: compared by identity
 class KnobTable:
     """The knob rows searched on top of every layout (one row when nothing is searched).
 
@@ -228,7 +228,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)  # arrays: compared by identity
 class Space:
     """Degree rows × orders × knob rows; see the module docstring for the layout."""
 
