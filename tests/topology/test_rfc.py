@@ -106,6 +106,23 @@ def test_units_are_converted():
         (lambda d: d["ranks"]["2"].pop("peers"), "'peers' is a required property"),
         (lambda d: d["ranks"]["0"]["peers"].pop("2"), "no connection between ranks 0 and 2"),
         (lambda d: d["ranks"]["0"]["peers"]["1"]["connection"].update(channels={"count": "2.5"}), "whole number"),
+        # a trailing newline passes the schema's "$" in Python's re: the reader must refuse it
+        (lambda d: d["ranks"].update({"1\n": d["ranks"].pop("1")}), r"\$\.ranks: rank key '1\\n' is not a rank id"),
+        (lambda d: d["ranks"]["0"]["peers"].update({"01": d["ranks"]["0"]["peers"].pop("1")}), r"\$\.ranks\.0\.peers: '01' does not match"),
+        (lambda d: d["ranks"].update({"9" * 5000: d["ranks"].pop("1")}), r"rank key '9999.*\(5002 characters\) is not a rank id"),
+        (lambda d: d.update(world_size="4"), r"\$\.world_size: world_size is '4' but the file lists 3 ranks"),
+        (lambda d: d.update(restart_count=-2), r"\$\.restart_count: expected a whole number in 0\.\.2147483647, got -2"),
+        (lambda d: d["ranks"]["2"].update(local_rank="1.5"), r"\$\.ranks\.2\.local_rank: expected a whole number, got '1\.5'"),
+        (lambda d: d["ranks"]["2"].update(local_rank=10**12), r"\$\.ranks\.2\.local_rank: expected a whole number in 0\.\.2,"),
+        # 1e303 s is 1e309 us: finite as written, infinite once converted
+        (lambda d: d["ranks"]["0"]["peers"]["2"]["connection"]["latency"].update(value="1e303", measurement="s"),
+         r"\$\.ranks\.0\.peers\.2\.connection\.latency: '1e303' s is too large once converted"),
+        (lambda d: d["ranks"]["0"]["peers"]["1"]["connection"]["bandwidth"].update(value=10**400),
+         r"\$\.ranks\.0\.peers\.1\.connection\.bandwidth: expected a finite number >= 0, got 1000"),
+        # rank 1 lists rank 0 with another latency than rank 0 lists rank 1
+        (lambda d: d["ranks"]["1"]["peers"].update(
+            {"0": {"connection": {**d["ranks"]["0"]["peers"]["1"]["connection"], "latency": {"value": "9", "measurement": "us"}}}}),
+         r"\$\.ranks\.1\.peers\.0\.connection: ranks 1 and 0 disagree .* at \$\.ranks\.0\.peers\.1\.connection"),
     ],
 )
 def test_bad_documents_name_file_place_and_problem(mutate, message):

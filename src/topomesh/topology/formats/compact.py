@@ -32,12 +32,19 @@ from typing import Any
 import numpy as np
 
 from topomesh.errors import TopologyError
-from topomesh.topology.formats.rfc import VERSION, connection_from_dict, connection_to_dict
+from topomesh.topology.formats.rfc import VERSION, connection_from_dict, connection_to_dict, whole
 from topomesh.topology.model import ConnectionTable, Host, RankInfo, Topology
 
 FORMAT = "topomesh-compact"
 FORMAT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")
+MAX_WORLD_SIZE = 1 << 20
+"""Most ranks (and hosts) a compact file may declare: 1,048,576, 64x the 16,384-rank worlds
+the format was designed for."""
+MAX_CONNECTIONS = 1 << 16
+"""Most distinct connection objects (the palette). A world has a few per link kind; probe
+results go to the ``measured_*`` rows, not here. Each costs ~30 µs to read, so this bounds
+reading the palette to about two seconds."""
 
 
 def to_dict(topo: Topology) -> dict[str, Any]:
@@ -105,6 +112,12 @@ def _int_array(doc: dict[str, Any], key: str, length: int | None, bound: int, so
     return arr.astype(np.int32)
 
 
+def _at_most(items: list[Any], limit: int, what: str, where: str, source: str) -> None:
+    """Refuse a list longer than ``limit`` before anything is built from it."""
+    if len(items) > limit:
+        raise TopologyError(f"{len(items)} entries, more than the limit of {limit} {what}", source=source, where=where)
+
+
 def _matrix(raw: Any, bound: int, where: str, source: str, square: bool) -> np.ndarray:
     try:
         arr = np.asarray(raw, dtype=np.int64)
@@ -153,9 +166,11 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
             source=source,
             where="$.format_version",
         )
+    n = whole(doc.get("world_size"), "$.world_size", source, high=MAX_WORLD_SIZE)
     conns_raw = doc.get("connections")
     if not isinstance(conns_raw, list) or not conns_raw:
         raise TopologyError("expected a non-empty list of connections", source=source, where="$.connections")
+    _at_most(conns_raw, MAX_CONNECTIONS, "connections", "$.connections", source)
     palette = []
     for i, c in enumerate(conns_raw):
         if not isinstance(c, dict):
@@ -165,6 +180,8 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
     hosts_raw = doc.get("hosts")
     if not isinstance(templates, list) or not isinstance(hosts_raw, list) or not hosts_raw:
         raise TopologyError("expected host_templates and a non-empty hosts list", source=source, where="$.hosts")
+    _at_most(hosts_raw, max(n, 1), f"hosts (the world has {n} ranks)", "$.hosts", source)
+    _at_most(templates, len(hosts_raw), f"host templates (there are {len(hosts_raw)} hosts)", "$.host_templates", source)
     parsed: dict[int, Host] = {}
     hosts: list[Host] = []
     for i, h in enumerate(hosts_raw):
@@ -178,21 +195,16 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
         hosts.append(tpl.renamed(h[0]))
     if len({h.hostname for h in hosts}) != len(hosts):
         raise TopologyError("host names must be unique", source=source, where="$.hosts")
-    try:
-        n = int(doc.get("world_size"))
-    except (TypeError, ValueError):
-        raise TopologyError("world_size must be an integer", source=source, where="$.world_size") from None
-    if n < 0:
-        raise TopologyError("world_size must be >= 0", source=source, where="$.world_size")
     classes_raw = doc.get("local_classes")
     if not isinstance(classes_raw, list):
         raise TopologyError("expected a list of matrices", source=source, where="$.local_classes")
+    _at_most(classes_raw, len(hosts), f"local classes (there are {len(hosts)} hosts)", "$.local_classes", source)
     local = tuple(
         _matrix(m, len(palette), f"$.local_classes[{i}]", source, square=True) for i, m in enumerate(classes_raw)
     )
     host_class = _int_array(doc, "host_class", len(hosts), max(len(local), 1), source)
     rank_host = _int_array(doc, "rank_host", n, len(hosts), source)
-    rank_local = _int_array(doc, "rank_local_rank", n, 1 << 30, source)
+    rank_local = _int_array(doc, "rank_local_rank", n, max(n, 1), source)
     inter = _matrix(doc.get("inter"), len(palette), "$.inter", source, square=True)
     rail = _int_array(doc, "rank_rail", n, max(inter.shape[0], 1), source)
     devices = doc.get("rank_device")
@@ -257,10 +269,7 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
         measured_local=measured_local,
     )
     restart = doc.get("restart_count")
-    try:
-        restart_count = int(restart) if restart is not None else None
-    except (TypeError, ValueError):
-        raise TopologyError("restart_count must be an integer", source=source, where="$.restart_count") from None
+    restart_count = whole(restart, "$.restart_count", source) if restart is not None else None
     run_id = doc.get("run_id")
     return Topology(
         hosts=tuple(hosts),
