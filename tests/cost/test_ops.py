@@ -15,6 +15,7 @@ from topomesh.cost.opdb import OpProfileDB
 from topomesh.cost.ops import (
     OpClass,
     cost_summary,
+    default_efficiency,
     make_tensor,
     op_class,
     op_time_s,
@@ -172,14 +173,17 @@ def test_roofline_for_an_op_never_profiled():
     n = 8192
     big = TensorMeta(shape=(n, n), dtype="bfloat16", stride=(n, 1))
     mm = OpRecord(op="aten.mm.default", inputs=(big, big), outputs=(big,), flops=2 * n**3)
-    # compute-bound: 2 n^3 / 989.5e12 (efficiency 1.0 = pure roofline)
-    assert roofline_time_s(mm, h100) == pytest.approx(2 * n**3 / 989.5e12)
+    # compute-bound: 2 n^3 at 989.5e12 x the MAMF ceiling 0.8033 x wave quantization: 64 x 32 = 2048
+    # tiles of 128x256 on 132 SMs take 16 waves (2112 slots)
+    assert roofline_time_s(mm, h100) == pytest.approx(2 * n**3 / (989.5e12 * 0.8033 * 2048 / 2112))
     gelu = OpRecord(op="aten.gelu.default", inputs=(big,), outputs=(big,), flops=0)
-    # memory-bound: read + write n^2 bf16 at 3350 GB/s
-    assert roofline_time_s(gelu, h100) == pytest.approx(2 * n * n * 2 / 3350e9)
+    # memory-bound: read + write n^2 bf16 at 3350 GB/s x 0.9 achievable
+    assert roofline_time_s(gelu, h100) == pytest.approx(2 * n * n * 2 / (3350e9 * 0.9))
     unknown = OpRecord(op="aten.not_an_op.default", inputs=(big,), outputs=(big,), bytes_moved=10**9)
     cost = op_time_s(unknown, h100, {})
-    assert not cost.measured and cost.seconds == pytest.approx(1e9 / 3350e9)
+    assert not cost.measured and cost.seconds == pytest.approx(1e9 / (3350e9 * 0.9))
+    # an explicit table of 1.0 is the pure roofline
+    assert roofline_time_s(mm, h100, default_efficiency()) == pytest.approx(2 * n**3 / 989.5e12)
 
 
 def test_unknown_and_unprofilable_ops_are_listed_with_counts_and_roofline(tmp_path):

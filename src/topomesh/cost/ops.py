@@ -11,15 +11,18 @@ record up in a table loaded once (:meth:`OpProfileDB.table`) and falls back to
     time = max(flops / (peak_flops[dtype] × eff_compute[class]),
                bytes / (memory_bandwidth × eff_memory[class]))
 
-with efficiencies from ``data/op_efficiency.json`` (all 1.0: a pure roofline, see there).
+with efficiencies per op class and shape from the device's data file
+(:mod:`topomesh.cost.efficiency`: GEMM tile/wave quantization under a measured ceiling,
+FlashAttention fractions, achievable memory bandwidth; 1.0 for the measured CPU), or from
+an explicit :class:`Efficiency` table (``data/op_efficiency.json``, all 1.0: a pure roofline).
 
 >>> from topomesh.trace.graph import OpRecord, TensorMeta
 >>> from topomesh.cost.devices import device_spec
 >>> a = TensorMeta(shape=(4096, 4096), dtype="bfloat16", stride=(4096, 1))
 >>> mm = OpRecord(op="aten.mm.default", inputs=(a, a), outputs=(a,), flops=2 * 4096**3,
 ...               bytes_moved=3 * 4096 * 4096 * 2)
->>> round(roofline_time_s(mm, device_spec("H100-SXM5-80GB")) * 1e6, 1)  # us, compute-bound
-138.9
+>>> round(roofline_time_s(mm, device_spec("H100-SXM5-80GB")) * 1e6, 1)  # us: 138.9 at 100 % / 0.779
+178.3
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from importlib import resources
 from typing import Any
 
 from topomesh.cost.devices import DeviceSpec
+from topomesh.cost.efficiency import op_efficiency
 from topomesh.cost.opdb import Key, OpProfileDB, OpTiming
 from topomesh.errors import TraceError
 from topomesh.trace.graph import OpRecord, Phase, TensorMeta
@@ -151,11 +155,20 @@ def record_bytes(record: OpRecord) -> int:
 def roofline_time_s(
     record: OpRecord, spec: DeviceSpec, efficiency: Efficiency | None = None, *, tf32: bool = False
 ) -> float:
-    """Roofline time of one op on ``spec``: the larger of compute and memory time, seconds."""
-    eff = efficiency or default_efficiency()
+    """Roofline time of one op on ``spec``: the larger of compute and memory time, seconds.
+
+    Fractions of peak from ``efficiency`` when given (per class), else from the device's
+    kernel model (:func:`topomesh.cost.efficiency.op_efficiency`, per class and shape).
+    """
     cls = op_class(record.op)
-    compute_s = record.flops / (spec.peak_flops_per_s(op_dtype(record), tf32=tf32) * eff.compute[cls])
-    memory_s = record_bytes(record) / (spec.memory_bandwidth_GBps * 1e9 * eff.memory[cls])
+    dtype = op_dtype(record)
+    if efficiency is None:
+        shape = record.outputs[0].shape if record.outputs else None
+        eff_compute, eff_memory = op_efficiency(spec, cls.value, record.op, dtype, shape)
+    else:
+        eff_compute, eff_memory = efficiency.compute[cls], efficiency.memory[cls]
+    compute_s = record.flops / (spec.peak_flops_per_s(dtype, tf32=tf32) * eff_compute)
+    memory_s = record_bytes(record) / (spec.memory_bandwidth_GBps * 1e9 * eff_memory)
     return max(compute_s, memory_s)
 
 
