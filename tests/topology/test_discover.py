@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
 import types
 from pathlib import Path
@@ -192,20 +193,42 @@ def test_missing_root_raises_naming_it(tmp_path, monkeypatch):
         discover_host(tmp_path)
 
 
+def _plain_sysfs_facts() -> tuple[int, list[int], set[str]]:
+    """What /sys says, read here with plain file reads (not through discover): NVIDIA display
+    functions (vendor 0x10de, class 0x0300xx 3D/VGA or 0x0302xx), NUMA nodes with CPUs, and
+    netdevs other than lo that have a device link and are not down or IPoIB (type 32)."""
+    def read(p: Path) -> str:
+        try:
+            return p.read_text().strip()
+        except OSError:
+            return ""
+
+    gpus = sum(1 for d in Path("/sys/bus/pci/devices").glob("*")
+               if read(d / "vendor") == "0x10de" and read(d / "class")[:6] in ("0x0300", "0x0302"))
+    nodes = sorted(int(d.name[4:]) for d in Path("/sys/devices/system/node").glob("node[0-9]*") if read(d / "cpulist"))
+    eth = {d.name for d in Path("/sys/class/net").glob("*") if d.name != "lo" and os.path.lexists(d / "device")
+           and read(d / "operstate").lower() != "down" and read(d / "type") != "32"}
+    return gpus, nodes, eth
+
+
 def test_real_machine_gives_its_cpu_host():
-    """This machine: as many GPUs as NVIDIA display devices in /sys (none here), one CPU
-    device per NUMA node with CPUs, and never an exception."""
-    host = discover_host("/", use_nvml=None)
-    pci = discover.read_pci("/")
-    assert len(host.gpus) == sum(p.is_nvidia_gpu for p in pci.values())
-    nodes = discover.read_numa_nodes("/")
+    """This machine against /sys read by hand: as many GPUs as NVIDIA display functions, one
+    CPU device per NUMA node with CPUs, its physical up netdevs, and never an exception."""
+    host = discover_host("/", use_nvml=False)
+    gpus, nodes, eth = _plain_sysfs_facts()
+    assert len(host.gpus) == gpus
     cpus = [d for d in host.devices if d.kind is DeviceKind.CPU]
-    assert [c.numa_node for c in cpus] == (sorted(nodes) or [0])
-    assert all(n.name != "lo" for n in host.nics)
+    assert [c.id for c in cpus] == [f"CPU{n}" for n in (nodes or [0])]
+    found = {n.name for n in host.nics if n.kind is NicKind.ETHERNET}
+    if os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else []:
+        assert found <= eth  # RDMA NICs' own netdevs are listed once, as RDMA devices
+    else:
+        assert found == eth
+    if not os.path.exists("/hostname"):
+        assert host.hostname == socket.gethostname()
     assert Host.from_dict(host.to_dict()) == host
-    topo = single_host_topology(host)
     if not host.gpus:
-        assert topo.world_size == len(cpus)
+        assert single_host_topology(host).world_size == len(cpus)
 
 
 # --------------------------------------------------------------------------- damaged trees
@@ -299,11 +322,38 @@ def test_nvml_absent_never_crashes(monkeypatch):
     assert [d.index for d in host.devices if d.kind is DeviceKind.CPU] == (sorted(discover.read_numa_nodes("/")) or [0])
 
 
-def test_nvml_library_missing_on_this_machine():
-    got = nvml.read_nvml()
-    if got is not None:
-        pytest.skip("NVML works on this machine")
-    assert got is None
+def test_nvml_library_missing_gives_none_and_sysfs_gpus(monkeypatch, tmp_path):
+    """The real nvidia-ml-py with libnvidia-ml.so.1 failing to load (as on any machine
+    without the driver): read_nvml says None, and discovery keeps sysfs's GPUs, no NVLink."""
+    pynvml = pytest.importorskip("pynvml")
+
+    def no_library(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(pynvml, "nvmlLib", None)
+    monkeypatch.setattr(pynvml, "CDLL", no_library)
+    with pytest.raises(pynvml.NVMLError, match="NVML Shared Library Not Found"):
+        pynvml.nvmlInit()  # what read_nvml must absorb
+    assert nvml.read_nvml() is None
+    root = copy_fixture(PCIE, tmp_path)
+    (root / "nvml.json").unlink(missing_ok=True)  # use_nvml=True then asks the real library
+    host = discover_host(root, use_nvml=True)
+    assert [g.pci_bus_id for g in host.gpus] == ["0000:03:00.0", "0000:04:00.0", "0000:83:00.0", "0000:86:00.0"]
+    assert not any(p.kind.is_nvlink for p in host.paths)
+
+
+def test_nvml_failing_mid_read_gives_none_and_shuts_down(monkeypatch):
+    fake = _fake_pynvml({"0000:18:00.0": []})
+    calls = []
+    fake.nvmlShutdown = lambda: calls.append("shutdown")
+
+    def count():
+        raise fake.NVMLError("GPU is lost")
+
+    fake.nvmlDeviceGetCount = count
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert nvml.read_nvml() is None
+    assert calls == ["shutdown"]
 
 
 def _fake_pynvml(gpus: dict[str, list[tuple[int, str | None]]], *, fail_init: bool = False) -> types.ModuleType:
