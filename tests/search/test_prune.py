@@ -76,6 +76,14 @@ def test_micro_batch_and_interleave_knobs():
     assert got == [None, "dp_batch", None]  # 96 = 32 * 3 per replica
 
 
+def test_v_shaped_schedules_hold_two_stages_per_rank():
+    knobs = KnobTable.product(schedule=("zbv", "dualpipev"), interleave=(3,))
+    assert knobs.interleave.tolist() == [2, 2]
+    # 6 layers in 2 * pp stages: pp=3 gives 6 stages, pp=2 gives 4.
+    assert reason_of(DENSE, {"pp": 3}, knobs=knobs) == [None, None]
+    assert reason_of(DENSE, {"pp": 2}, knobs=knobs) == ["pp_interleave_layers"] * 2
+
+
 def test_schedules_count_once_without_a_pipeline():
     knobs = KnobTable.product(micro_batch=(1, 2), schedule=("gpipe", "1f1b"))
     assert reason_of(DENSE, {"tp": 2}, knobs=knobs) == [None, "schedule_without_pp"] * 2

@@ -8,7 +8,7 @@ number pruned.
 
 Divisibility (what :meth:`Layout.check_model` and the parallelize functions require):
 ``tp`` divides the attention heads, the KV heads and the MLP width; ``pp`` divides the layers
-(``pp × interleave`` with an interleaved schedule); ``2·cp`` divides the sequence (the
+(``pp × interleave`` stages with a multi-stage schedule, 2 per rank for V-shaped ones); ``2·cp`` divides the sequence (the
 head–tail load balancing of causal context parallel); ``ep`` divides the experts and needs an
 MoE model; ``dp × micro_batch`` divides the global batch (``dp = dp_replicate × dp_shard``).
 With ``pp = 1`` the schedule makes no difference, so only the first schedule row of each

@@ -52,6 +52,7 @@ import numpy as np
 
 from topomesh.errors import LayoutError
 from topomesh.layout.dims import Axis, Layout
+from topomesh.sim.schedules import Schedule
 
 AXES: tuple[Axis, ...] = tuple(Axis)
 """Column order of every degree array: dp_replicate, dp_shard, cp, tp, pp, ep."""
@@ -66,14 +67,6 @@ class Recompute(StrEnum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
-
-
-class Schedule(StrEnum):
-    """Pipeline schedule (``--schedule``); only ``interleaved-1f1b`` takes an interleave > 1."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved-1f1b"
 
 
 @cache
@@ -144,9 +137,10 @@ class KnobTable:
     """The knob rows searched on top of every layout (one row when nothing is searched).
 
     ``micro_batch``, ``interleave`` (int64), ``recompute`` and ``schedule`` (int8 indices into
-    the enums, in definition order) are parallel arrays of length ``len(self)``. Schedules
-    without interleaving take interleave 1; ``interleaved-1f1b`` takes every given interleave
-    above 1.
+    the enums, in definition order) are parallel arrays of length ``len(self)``. Single-stage
+    schedules (GPipe, 1F1B) take interleave 1, V-shaped ones (ZBV, DualPipeV) 2, the other
+    multi-stage ones (``interleaved-1f1b`` …) every given interleave above 1: stages per rank,
+    so ``pp × interleave`` is the number of stages (:func:`topomesh.sim.schedules.stage_count`).
 
     >>> t = KnobTable.product(micro_batch=(1, 2), schedule=("1f1b", "interleaved-1f1b"), interleave=(2, 4))
     >>> len(t), [(k.micro_batch, k.schedule.value, k.interleave) for k in t.rows()][:3]
@@ -175,12 +169,12 @@ class KnobTable:
         virtual = _unique_positive(interleave, "interleave")
         pipes: list[tuple[Schedule, int]] = []
         for s in scheds:
-            if s is Schedule.INTERLEAVED_1F1B:
+            if s.v_shape:  # two stages per rank, whatever the interleave
+                pipes.append((s, 2))
+            elif s.multi_stage:
                 vs = [v for v in virtual if v > 1]
                 if not vs:
-                    raise LayoutError(
-                        f"the interleaved-1f1b schedule needs an interleave above 1; got {list(virtual)}"
-                    )
+                    raise LayoutError(f"the {s.value} schedule needs an interleave above 1; got {list(virtual)}")
                 pipes.extend((s, v) for v in vs)
             else:
                 pipes.append((s, 1))
