@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -16,8 +17,9 @@ A = TensorMeta(shape=(32, 32), dtype="float32", stride=(32, 1))
 def _write(tmp_path):
     recs = [OpRecord(op="aten.mm.default", inputs=(A, A), outputs=(A,), flops=2 * 32**3)] * 4 + [
         OpRecord(op="aten.relu.default", inputs=(A,), outputs=(A,)),
-        OpRecord(op="aten.no_such_op.default", inputs=(A,), outputs=(A,), bytes_moved=8192),
-        OpRecord(op="aten.no_such_op.default", inputs=(A,), outputs=(A,), bytes_moved=8192),
+        # an allowed op whose overload torch lacks: cannot run, priced by the roofline
+        OpRecord(op="aten.relu.no_such_overload", inputs=(A,), outputs=(A,), bytes_moved=8192),
+        OpRecord(op="aten.relu.no_such_overload", inputs=(A,), outputs=(A,), bytes_moved=8192),
     ]
     path = tmp_path / "recs.json"
     path.write_text(json.dumps(records_to_json(recs)))
@@ -32,7 +34,7 @@ def test_profile_fills_the_table_then_reuses_it(tmp_path, capsys):
     assert (first["distinct"], first["profiled_now"], first["cached"]) == (3, 2, 0)
     assert first["ops"] == 7 and first["measured_s"] > 0
     [unknown] = first["unknown"]
-    assert unknown["op"] == "aten.no_such_op.default" and unknown["count"] == 2
+    assert unknown["op"] == "aten.relu.no_such_overload" and unknown["count"] == 2
     assert abs(unknown["roofline_s"] - 2 * 8192 / 3350e9) < 1e-15
     assert main(argv) == 0
     second = json.loads(capsys.readouterr().out)
@@ -46,7 +48,7 @@ def test_profile_bad_input_is_one_line_exit_2(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"inputs": []}]))
     assert main(["profile", "--records", str(bad)]) == 2
-    assert "op record 0 is malformed" in capsys.readouterr().err
+    assert f"topomesh: error: {bad}: op record 0 is malformed (no 'op' field)" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -60,3 +62,58 @@ def test_profile_a_traced_preset_under_a_layout(tmp_path, capsys):
     assert data["ops"] > data["distinct"] and data["unknown"] == [] and data["measured_s"] > 0
     assert main(["profile", "--model", "tiny-llama", "--layout", "tp=two"]) == 2
     assert "not AXIS=DEGREE" in capsys.readouterr().err
+
+
+_MM = {"op": "aten.mm.default", "inputs": [{"shape": [4, 4], "dtype": "float32", "stride": [4, 1]}] * 2,
+       "outputs": [{"shape": [4, 4], "dtype": "float32", "stride": [4, 1]}], "flops": 128, "args": []}
+
+
+@pytest.mark.parametrize(
+    "record, line",
+    [
+        ({"op": "aten.from_file.default", "args": ["PWNED", True, 16]},
+         "op record 1 (aten.from_file.default) is refused: op 'aten.from_file.default' is not one a traced "
+         "training step produces (allowed: the matmul, attention"),
+        ({**_MM, "op": "aten._foobar.default"}, "op record 1 (aten._foobar.default) is refused: op "),
+        ({**_MM, "op": "aten.mm.out"}, "op record 1 (aten.mm.out) is refused: op 'aten.mm.out' is not one"),
+        ({**_MM, "flops": 10**30},
+         "op record 1 (aten.mm.default) is refused: flops a 31-character number is not a whole number from 0 to "
+         "1000000000000000000"),
+        ({**_MM, "flops": "12"}, "is refused: flops 12 is not a whole number"),
+        ({**_MM, "bytes_moved": -1}, "is refused: bytes_moved -1 is not a whole number from 0 to 1125899906842624"),
+        ({**_MM, "inputs": [{"shape": [-1, 4], "dtype": "float32", "stride": [4, 1]}]},
+         "is refused: input 0: size -1 is not a whole number from 0 to 4294967296"),
+        ({**_MM, "inputs": [{"shape": [4, 4], "dtype": "float32", "stride": [4, -1]}]},
+         "is refused: input 0: stride -1 is not a whole number"),
+        ({**_MM, "inputs": [{"shape": [4, 4], "dtype": "float32", "stride": [1]}]},
+         "is refused: input 0: 1 strides for 2 dimensions"),
+        # 65,537 rows with a row stride of 65,537 span 1 + 65,536·65,537 = 4,295,032,833 elements > 2**32
+        ({**_MM, "inputs": [{"shape": [65537, 1], "dtype": "float32", "stride": [65537, 1]}]},
+         "is refused: input 0: shape [65537, 1] with strides [65537, 1] spans more than 4294967296 elements"),
+        ({**_MM, "inputs": [{"shape": [1] * 17, "dtype": "float32", "stride": [1] * 17}]},
+         "is refused: input 0: 17 dimensions, more than the 16 allowed"),
+        ({**_MM, "outputs": [{"shape": [4], "dtype": "from_file", "stride": [1]}]},
+         "is refused: output 0: dtype 'from_file' is not one of"),
+        # two 4×4 float32 inputs (128 bytes) + 5 float64 outputs of 2**31 elements (5 · 2**34 bytes)
+        ({**_MM, "outputs": [{"shape": [2**31], "dtype": "float64", "stride": [1]}] * 5},
+         "is refused: its tensors take 85899346048 bytes, more than the 68719476736 allowed for one op"),
+        ({**_MM, "args": [[[[[1]]]]]}, "is malformed (arguments nested more than 4 deep)"),
+        ({**_MM, "args": ["x" * 65]}, "is malformed (a string argument longer than 64 characters)"),
+        ({**_MM, "args": [2**63]}, "is malformed (integer argument 9223372036854775808… outside the int64 range)"),
+        ({**_MM, "args": [{"a": 1}]}, "is malformed (an argument of type dict"),
+        ({**_MM, "inputs": [[4, 4]]}, "is malformed (a tensor is list, not an object with shape, dtype and stride)"),
+        ({"inputs": []}, "op record 1 is malformed (no 'op' field)"),
+    ],
+)
+def test_profile_refuses_records_a_trace_cannot_produce(tmp_path, capsys, record, line):
+    path = tmp_path / "recs.json"
+    path.write_text(json.dumps([_MM, record]))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # aten.from_file would create PWNED here
+    try:
+        assert main(["profile", "--records", str(path), "--db", str(tmp_path / "o.sqlite"), "--json"]) == 2
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert err.startswith(f"topomesh: error: {path}: ") and line in err and err.count("\n") == 1
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "o.sqlite").exists()

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(path: Path) -> list[Any]:
-    return records_from_json(read_json(path, what="op-records file", error=TraceError))
+    return records_from_json(read_json(path, what="op-records file", error=TraceError), source=str(path))
 
 
 def _trace_records(args: argparse.Namespace) -> list[OpRecord]:

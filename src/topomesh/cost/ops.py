@@ -38,6 +38,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from topomesh.cost import opcheck as _opcheck
 from topomesh.cost.devices import DeviceSpec
 from topomesh.cost.efficiency import op_efficiency
 from topomesh.cost.opdb import Key, OpProfileDB, OpTiming
@@ -307,11 +308,16 @@ def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repea
     CPU: ``perf_counter`` around each call. CUDA: a pair of ``torch.cuda.Event`` s around
     each call on the current stream, read after ``torch.cuda.synchronize``. Repeats stop
     at ``max_repeats`` or once ``min_repeats`` ran and ``budget_s`` is spent.
-    Raises any error the op raises (the caller records it as unprofilable).
+    Raises any error the op raises (the caller records it as unprofilable), and
+    ``ValueError`` for a record :mod:`topomesh.cost.opcheck` refuses (an op outside the
+    allow-list, tensors over the bounds, outputs that would be too large) before running it.
     """
     import torch
 
+    if problem := _opcheck.record_problem(record):  # records_from_json checked files; this checks every caller
+        raise ValueError(f"{record.op[:80]} is not run: {problem}")
     op = resolve_op(record.op)
+    _opcheck.check_outputs(op, record, lambda tensors: _call_arguments(op, tensors, record.args))
     inputs = [make_tensor(t, device) for t in record.inputs]
     call_args, call_kwargs = _call_arguments(op, inputs, record.args)
 
@@ -465,33 +471,61 @@ def cost_summary(records: Iterable[OpRecord], spec: DeviceSpec, table: Mapping[K
 # ------------------------------------------------------------ JSON records
 
 
-def records_from_json(data: Any) -> list[OpRecord]:
-    """Op records from the JSON form :func:`records_to_json` writes (a list of objects)."""
+def records_from_json(data: Any, *, source: str = "op records") -> list[OpRecord]:
+    """Op records from the JSON form :func:`records_to_json` writes (a list of objects).
+
+    Every record is checked here, once, before anything runs: types, the op allow-list and
+    the bounds on tensors and numbers of :mod:`topomesh.cost.opcheck`. A bad record raises
+    :class:`TraceError` naming ``source``, the record's index and its op.
+    """
     if isinstance(data, dict):
         data = data.get("ops", data.get("records"))
     if not isinstance(data, list):
-        raise TraceError("op records JSON must be a list of records (or an object with an 'ops' list)")
+        raise TraceError(f"{source}: op records JSON must be a list of records (or an object with an 'ops' list)")
 
     def meta(t: Any) -> TensorMeta:
-        return TensorMeta(shape=tuple(t["shape"]), dtype=str(t["dtype"]), stride=tuple(t["stride"]))
+        if not isinstance(t, dict):
+            raise TypeError(f"a tensor is {type(t).__name__}, not an object with shape, dtype and stride")
+        shape, stride, dtype = t["shape"], t["stride"], t["dtype"]
+        if not isinstance(shape, list) or not isinstance(stride, list) or not isinstance(dtype, str):
+            raise TypeError("a tensor's shape and stride must be lists and its dtype a string")
+        return TensorMeta(shape=tuple(shape), dtype=dtype, stride=tuple(stride))
 
     def tup(a: Any) -> Any:
         return tuple(tup(x) for x in a) if isinstance(a, list) else a
 
     out = []
     for i, r in enumerate(data):
+        op = r.get("op") if isinstance(r, dict) else None
+        where = f"{source}: op record {i}" + (f" ({op[:80]})" if isinstance(op, str) else "")
         try:
-            out.append(OpRecord(
-                op=str(r["op"]),
-                inputs=tuple(meta(t) for t in r.get("inputs", ())),
-                outputs=tuple(meta(t) for t in r.get("outputs", ())),
-                flops=int(r.get("flops", 0)),
-                bytes_moved=int(r["bytes_moved"]) if r.get("bytes_moved") is not None else None,
+            if not isinstance(r, dict):
+                raise TypeError(f"the record is {type(r).__name__}, not an object")
+            if not isinstance(op, str):
+                raise KeyError("op")
+            if not isinstance(r.get("inputs", []), list) or not isinstance(r.get("outputs", []), list):
+                raise TypeError("inputs and outputs must be lists of tensors")
+            if problem := _opcheck.op_problem(op):  # the op first: nothing else of a refused op is read
+                raise TraceError(f"{where} is refused: {problem}")
+            args = r.get("args", [])
+            if not isinstance(args, list) or (problem := _opcheck.args_problem(args)):
+                raise ValueError(problem or "args must be a list")
+            record = OpRecord(
+                op=op,
+                inputs=tuple(meta(t) for t in r.get("inputs", [])),
+                outputs=tuple(meta(t) for t in r.get("outputs", [])),
+                flops=r.get("flops", 0),
+                bytes_moved=r.get("bytes_moved"),
                 phase=Phase(r.get("phase", "forward")),
-                args=tup(r.get("args", [])),
-            ))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(f"op record {i} is malformed ({exc!r})") from None
+                args=tup(args),
+            )
+        except KeyError as exc:
+            raise TraceError(f"{where} is malformed (no {exc.args[0]!r} field)") from None
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{where} is malformed ({exc})") from None
+        if problem := _opcheck.record_problem(record):
+            raise TraceError(f"{where} is refused: {problem}")
+        out.append(record)
     return out
 
 
