@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -20,10 +22,24 @@ from topomesh.topology.discover import discover_host
 from topomesh.topology.model import LinkKind, RankInfo, Topology
 
 
-@pytest.mark.parametrize("bad", ["..", "../x", "a/b", "a\\b", ".hidden", "", "x\0y", "r" * 201])
-def test_run_ids_that_name_paths_are_rejected(bad: str) -> None:
-    with pytest.raises(LaunchError, match="run id"):
-        files.safe_run_id(bad)
+@pytest.mark.parametrize(
+    ("run_id", "kept"),
+    [
+        ("..", "_."), ("../x", "_._x"), ("a/b", "a_b"), ("a\\b", "a_b"), (".hidden", "_hidden"), ("", ""),
+        ("x\0y", "x_y"), ("r" * 201, "r" * 48), ("r" * 65, "r" * 48), ("job 1", "job_1"),
+    ],
+)
+def test_every_run_id_torchrun_accepts_gets_a_directory_inside_the_base(run_id: str, kept: str, tmp_path: Path) -> None:
+    """Path-like, hidden and long ids are hashed, not refused (torchrun accepts them)."""
+    name = files.safe_run_id(run_id)
+    assert name == f"{kept}-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}"
+    d = files.run_directory(run_id, tmp_path / "base")
+    assert d.parent == tmp_path / "base" and d.name == name
+
+
+def test_plain_run_ids_are_kept_as_they_are() -> None:
+    for run_id in ("job-42", "a.b_c", "r" * 64, "0"):
+        assert files.safe_run_id(run_id) == run_id
 
 
 def test_run_ids_are_made_safe_and_stay_distinct() -> None:
@@ -233,3 +249,102 @@ def test_topology_path_is_checked_before_launch(tmp_path: Path, monkeypatch: pyt
         TopologyOptions(path=opts.path)
     with pytest.raises(LaunchError, match="must be positive, got 0 s"):
         TopologyOptions(timeout_s=0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--t=3", "x.py"], ["--te", "2", "x.py"], ["--max-r=2", "x.py"], ["--rdzv-e=h:1", "x.py"], ["--stand", "x.py"],
+        ["--nn=2", "x.py"], ["--no-p", "x.py"],
+        ["--nproc=2", "x.py"], ["--r=3", "x.py"], ["--mon=0.5", "x.py"],  # ambiguous for torchrun too
+    ],
+)
+def test_torchrun_abbreviations_mean_what_they_mean_to_torchrun(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Our --topology* options must not make torchrun's prefixes ambiguous (--t is --tee)."""
+    from torch.distributed.run import get_args_parser
+
+    from topomesh.launch.cli import build_parser
+
+    def parse(parser) -> dict | int:
+        try:
+            return vars(parser.parse_args(argv))
+        except SystemExit as exc:
+            return int(exc.code)
+
+    theirs, ours = parse(get_args_parser()), parse(build_parser())
+    if isinstance(theirs, int):
+        assert ours == theirs == 2
+        assert "ambiguous option" in capsys.readouterr().err
+    else:
+        assert isinstance(ours, dict)
+        assert {k: v for k, v in ours.items() if not k.startswith("topology")} == theirs
+
+
+def test_topology_options_match_only_by_full_name() -> None:
+    from topomesh.launch.cli import build_parser
+
+    assert build_parser().parse_args(["--topology=off", "--topology-probe", "x.py"]).topology == "off"
+    with pytest.raises(SystemExit, match="^2$"):
+        build_parser().parse_args(["--topo=off", "x.py"])
+
+
+def test_agent_is_installed_for_one_launch_and_whatever_was_there_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper someone installed (a test harness, a plugin) survives our launch and does
+    not upset the hook check."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from topomesh.launch import agent
+    from topomesh.launch.cli import _agent_class
+
+    class Wrapper(launcher_api.LocalElasticAgent):  # type: ignore[name-defined, misc]
+        pass
+
+    monkeypatch.setattr(launcher_api, "LocalElasticAgent", Wrapper)
+    agent.check_hooks()  # no "torch lacks the torchrun internals" for a wrapped agent
+    factory = agent.agent_factory(agent.TopologyOptions())
+    with _agent_class(factory):
+        assert launcher_api.LocalElasticAgent is factory
+    assert launcher_api.LocalElasticAgent is Wrapper
+    with pytest.raises(RuntimeError, match="^boom$"), _agent_class(factory):
+        raise RuntimeError("boom")
+    assert launcher_api.LocalElasticAgent is Wrapper
+    monkeypatch.delattr(launcher_api, "LocalElasticAgent")
+    with pytest.raises(LaunchError, match=r"lacks .*\(torch.distributed.launcher.api.LocalElasticAgent\)"):
+        agent.check_hooks()
+
+
+def test_topology_off_runs_whatever_agent_torchrun_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--topology off is plain torchrun: the agent launch_agent builds is the one installed
+    (here a stand-in that stops the launch), not ours."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from topomesh.launch import cli
+
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)  # launch_agent sets it
+    built: list[type] = []
+
+    class Standin:
+        def __init__(self, *args, **kwargs) -> None:
+            built.append(type(self))
+            raise LaunchError("stand-in agent built")
+
+    monkeypatch.setattr(launcher_api, "LocalElasticAgent", Standin)
+    for topology, expected in (("off", [Standin]), ("auto", [])):
+        built.clear()
+        argv = ["--log-dir", str(tmp_path / topology), "--rdzv-backend=static", "--master-addr=127.0.0.1",
+                "--master-port=1", f"--topology={topology}", "x.py"]
+        if topology == "off":
+            with pytest.raises(LaunchError, match="^stand-in agent built$"):
+                cli.main(argv)
+        else:
+            monkeypatch.setattr(cli, "_agent_class", _refuse_install)
+            with pytest.raises(LaunchError, match="^would install TopologyAgent$"):
+                cli.main(argv)
+        assert built == expected
+        assert launcher_api.LocalElasticAgent is Standin
+
+
+@contextlib.contextmanager
+def _refuse_install(factory):
+    raise LaunchError("would install TopologyAgent")
+    yield

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -53,7 +54,8 @@ def _launch(tmp: Path, *args: str, env: dict[str, str] | None = None) -> subproc
     )
 
 
-def test_run_id_that_escapes_the_directory_is_rejected(tmp_path: Path) -> None:
+def test_run_ids_torchrun_accepts_work_and_stay_inside_the_directory(tmp_path: Path) -> None:
+    """A path-like id is hashed into a name inside --topology-dir, not refused (torchrun runs it)."""
     port = free_port()
     evil = "../../escaped"
     res = _launch(
@@ -61,10 +63,71 @@ def test_run_id_that_escapes_the_directory_is_rejected(tmp_path: Path) -> None:
         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={evil}", f"--topology-dir={tmp_path / 'topo'}",
         "-m", "json.tool", "--help",
     )
-    assert res.returncode == 2, res.stderr[-2000:]
-    last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("topomesh: error: run id '../../escaped' looks like a path"), last
+    assert res.returncode == 0, res.stderr[-2000:]
+    name = "_._.._escaped-" + hashlib.sha256(evil.encode()).hexdigest()[:16]
+    assert [p.name for p in (tmp_path / "topo").iterdir()] == [name]
+    assert len(list((tmp_path / "topo" / name).glob("topology-r0-*.json"))) == 1
     assert not (tmp_path / "escaped").exists() and not (tmp_path.parent / "escaped").exists()
+
+
+def test_topology_dir_that_is_a_file_is_one_line_before_launch(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_text("x")
+    res = _launch(tmp_path, "--standalone", "--nproc-per-node=1", f"--topology-dir={tmp_path / 'plain'}", "-m", "json.tool", "--help")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"topomesh: error: --topology-dir {str(tmp_path / 'plain')!r} is not a directory (a file of that name exists)"
+    ]
+
+
+def _failing_script(tmp: Path) -> Path:
+    script = tmp / "fail.py"
+    script.write_text("import sys, time\nprint('first line', flush=True)\ntime.sleep(1)\nsys.exit(3)\n")
+    return script
+
+
+def test_failure_prints_what_torchrun_prints_and_never_exits_0(tmp_path: Path) -> None:
+    """Side by side with torchrun: exit code 1, and the same last lines naming
+    ChildFailedError (log alerts match on them), without the traceback."""
+    script = _failing_script(tmp_path)
+    ours = _launch(tmp_path, "--standalone", "--nproc-per-node=1", str(script))
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    e.update(TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    theirs = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs-t"), "--standalone",
+         "--nproc-per-node=1", str(script)], env=e, capture_output=True, text=True, timeout=60,
+    )
+    assert ours.returncode == theirs.returncode == 1
+
+    def summary(stderr: str) -> list[str]:
+        lines = stderr.splitlines()
+        start = lines.index("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ")
+        return [ln for ln in lines[start:] if not ln.lstrip().startswith(("time ", "exitcode", "host "))]
+
+    assert summary(ours.stderr) == summary(theirs.stderr)
+    assert "exitcode  : 3" in ours.stderr and "Traceback" not in ours.stderr
+    # stderr a closed pipe (`... 2>&1 | head -1` under pipefail, as in CI): still exit 1
+    cmd = f"set -o pipefail; {sys.executable} -m topomesh.launch --log-dir {tmp_path / 'logs-p'} --standalone " \
+          f"--nproc-per-node=1 {script} 2>&1 | head -1"
+    piped = subprocess.run(["bash", "-c", cmd], env=e, capture_output=True, text=True, timeout=60)
+    assert piped.stdout.strip() == "first line"
+    assert piped.returncode == 1
+
+
+def test_main_raises_child_failed_error_like_torchruns_main(tmp_path: Path) -> None:
+    script = _failing_script(tmp_path)
+    code = (
+        "import sys\n"
+        "from torch.distributed.elastic.multiprocessing.errors import ChildFailedError\n"
+        "from topomesh.launch.cli import main\n"
+        "try:\n"
+        f"    main(['--log-dir', {str(tmp_path / 'logs-m')!r}, '--standalone', '--nproc-per-node=1', {str(script)!r}])\n"
+        "except ChildFailedError as exc:\n"
+        "    print('RAISED', exc.get_first_failure()[1].exitcode)\n"
+    )
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    e.update(TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    assert "RAISED 3" in res.stdout, res.stderr[-2000:]
 
 
 def test_topology_file_is_passed_through_and_world_size_checked(tmp_path: Path) -> None:

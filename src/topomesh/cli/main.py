@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -87,10 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(args._run(args) or 0)
     except TopomeshError as exc:
-        try:
+        with contextlib.suppress(BrokenPipeError):  # stderr a closed pipe: the exit code still says it failed
             print(f"topomesh: error: {exc}", file=sys.stderr)
-        except BrokenPipeError:  # stderr is a closed pipe: the exit code still says it failed
-            pass
         return 2
     except KeyboardInterrupt:
         print("topomesh: interrupted", file=sys.stderr)

@@ -55,7 +55,9 @@ def check_hooks() -> None:
         problems.append("LocalElasticAgent._set_local_rank_env")
     elif list(inspect.signature(hook).parameters)[:4] != ["self", "worker_env", "local_rank", "spec"]:
         problems.append("LocalElasticAgent._set_local_rank_env(worker_env, local_rank, spec)")
-    if getattr(launcher_api, "LocalElasticAgent", None) is not LocalElasticAgent:
+    # launch_agent instantiates this name; it may hold a wrapper someone else installed,
+    # which is theirs to do: only its absence means the hook point is gone
+    if not callable(getattr(launcher_api, "LocalElasticAgent", None)):
         problems.append("torch.distributed.launcher.api.LocalElasticAgent")
     if problems:
         raise LaunchError(
@@ -229,7 +231,8 @@ class TopologyAgent(LocalElasticAgent):
 
 
 def agent_factory(options: TopologyOptions) -> Any:
-    """What ``torch.distributed.launcher.api`` calls in place of ``LocalElasticAgent``."""
+    """What ``torch.distributed.launcher.api`` calls in place of ``LocalElasticAgent``
+    during one launch (installed and removed by ``topomesh.launch.cli``)."""
 
     def make(*args: Any, **kwargs: Any) -> TopologyAgent:
         return TopologyAgent(*args, topology=options, **kwargs)

@@ -1,10 +1,11 @@
 """``topomesh launch``: torchrun, plus a topology file for every worker.
 
 The parser is torchrun's own (``torch.distributed.run.get_args_parser``) with a
-``topomesh`` group added, and the launch is torchrun's own ``run(args)`` with the agent
-class swapped for :class:`~topomesh.launch.agent.TopologyAgent`, so every torchrun flag,
-environment variable (``PET_*``), ``@record`` error summary and exit code behaves as
-with torchrun. Usage::
+``topomesh`` group added (its options match only by full name, so torchrun's
+abbreviations keep working), and the launch is torchrun's own ``run(args)`` with the agent
+class swapped for :class:`~topomesh.launch.agent.TopologyAgent` during that launch only,
+so every torchrun flag, environment variable (``PET_*``), ``@record`` error summary and
+exit code behaves as with torchrun. Usage::
 
     topomesh launch --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=head:29400 --rdzv-id=job42 train.py --lr 3e-4
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import os
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,11 +33,27 @@ _MODES = ("auto", "off")
 
 HELP = "torchrun with a topology: every worker gets WORLD_TOPOLOGY_FILE, built during the rendezvous (takes all torchrun flags)."
 
+class _TorchrunParser(argparse.ArgumentParser):
+    """torchrun's parser in which topomesh's options match only when spelled in full.
+
+    argparse accepts any unambiguous prefix of a long option (``--t=3`` is ``--tee``).
+    Our ``--topology*`` options would make such prefixes of torchrun's options ambiguous,
+    so they are left out of prefix matching: every spelling torchrun accepts means the
+    same here, and one it refuses is refused here too.
+    """
+
+    full_name_only: frozenset[argparse.Action] = frozenset()
+
+    def _get_option_tuples(self, option_string: str) -> list[tuple[Any, ...]]:
+        return [t for t in super()._get_option_tuples(option_string) if t[0] not in self.full_name_only]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """torchrun's parser with the topology options added (its flags are not re-declared)."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
+    parser.__class__ = _TorchrunParser  # same parser, only prefix matching changes
     parser.prog = "topomesh launch"
     parser.description = (
         "torchrun that builds the world topology during rendezvous and points every worker "
@@ -82,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="time box for probing one peer node (default 2)",
     )
+    parser.full_name_only = frozenset(group._group_actions)  # type: ignore[attr-defined]
     return parser
 
 
@@ -97,6 +116,10 @@ def options_from_args(args: argparse.Namespace) -> Any:
             raise LaunchError(f"--topology {choice!r} is neither 'auto', 'off' nor an existing file")
         api.read_source(choice)  # fail before any process starts
         mode, path = TopologyMode.FILE, os.path.abspath(choice)
+    directory = args.topology_dir
+    if mode is TopologyMode.AUTO and directory and os.path.exists(directory) and not os.path.isdir(directory):
+        # fail before the rendezvous rather than in every agent after it
+        raise LaunchError(f"--topology-dir {directory!r} is not a directory (a file of that name exists)")
     return TopologyOptions(
         mode=mode,
         path=path,
@@ -110,9 +133,17 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 @contextlib.contextmanager
 def _agent_class(factory: Any) -> Iterator[None]:
-    """Make ``launch_agent`` build our agent (it instantiates this module-level name)."""
+    """Make ``launch_agent`` build our agent for this launch only.
+
+    ``torch.distributed.launcher.api.launch_agent`` instantiates the module-level name
+    ``LocalElasticAgent``; whatever is there on entry (torch's class, or a wrapper a test
+    harness or plugin installed) is put back on exit, also when the launch raises.
+    """
     import torch.distributed.launcher.api as launcher_api
 
+    from topomesh.launch.agent import check_hooks
+
+    check_hooks()
     saved = launcher_api.LocalElasticAgent
     launcher_api.LocalElasticAgent = factory
     try:
@@ -121,9 +152,16 @@ def _agent_class(factory: Any) -> Iterator[None]:
         launcher_api.LocalElasticAgent = saved
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``topomesh launch ARGS``; returns the exit code torchrun would give."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``topomesh launch ARGS`` in this process, like torchrun's ``main(args)``.
+
+    Returns when every worker succeeded. A failed worker raises torchrun's
+    ``ChildFailedError`` after ``@record`` wrote the error file, exactly as
+    ``torch.distributed.run.main`` does; bad input raises a
+    :class:`~topomesh.errors.TopomeshError`. ``--topology off`` runs torchrun's ``run``
+    with nothing of topomesh installed.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import run
 
     from topomesh.launch.agent import TopologyMode, agent_factory
@@ -139,11 +177,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _agent_class(agent_factory(options)):
             run(args)
 
+    launch()
+
+
+def command(argv: Sequence[str]) -> int:
+    """``topomesh launch`` on the command line: the exit code torchrun's gives.
+
+    0 when every worker succeeded; 1 when one failed, with the last lines torchrun prints
+    for the ``ChildFailedError`` it lets escape (the exception's name and its failure
+    summary; log alerts match on them), without the traceback. Bad input is raised for
+    the ``topomesh`` command to print as one line (exit code 2). A closed stderr
+    (``... 2>&1 | head -1``) never turns a failure into success.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
-        launch()
+        main(argv)
     except ChildFailedError as exc:
-        # torchrun lets this escape (traceback, exit 1) after @record wrote the error
-        # file; print the same failure summary without the traceback.
-        print(exc.format_msg(), file=sys.stderr)
+        say("".join(traceback.format_exception_only(exc)).rstrip("\n"))
+        return 1
+    except BrokenPipeError:
+        # something of ours or torchrun's wrote to a closed pipe before the job ended
+        quiet_stdio()
         return 1
     return 0
+
+
+def say(line: str) -> None:
+    """Print ``line`` on stderr; when stderr is a closed pipe, drop it (the exit code still
+    tells the outcome) and keep the interpreter from failing at exit over it."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (BrokenPipeError, ValueError):  # ValueError: stderr already closed
+        quiet_stdio()
+
+
+def quiet_stdio() -> None:
+    """Point stdout and stderr at /dev/null, so flushing them at exit cannot raise again
+    (Python's advice for ``BrokenPipeError``, docs of the ``signal`` module)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(devnull, stream.fileno())
+    os.close(devnull)

@@ -4,8 +4,8 @@ Files live in a per-user directory, ``$TMPDIR/topomesh-<uid>/<run_id>/`` by defa
 levels created with mode 0700 and refused when they are symlinks, owned by another user
 or open to others (:mod:`topomesh.privdir`; when another user blocks the default, the
 launcher falls back to ``$XDG_RUNTIME_DIR/topomesh`` or a fresh temporary directory).
-The run id is reduced to a safe file name; an id that names a path (``..``, ``a/b``) is
-rejected. File names carry the restart count and a hash of the
+The run id is reduced to a safe directory name (an id that could name a path, such as
+``..`` or ``a/b``, is hashed). File names carry the restart count and a hash of the
 content, so two agents of one job on one host write the same name with the same bytes,
 and two jobs (different run ids) never share a directory.
 """
@@ -21,32 +21,31 @@ from topomesh.launch.exchange import digest
 from topomesh.privdir import private_directory, runtime_directory
 from topomesh.topology.api import write_atomic
 
-_SAFE = re.compile(r"[A-Za-z0-9._-]")
+_SAFE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+"""Run ids used as they are: nothing that can name a path, a hidden file, ``.`` or ``..``."""
+_KEEP = re.compile(r"[A-Za-z0-9._-]")
 
 
 def safe_run_id(run_id: str) -> str:
-    """A file-name-safe form of a torchrun run id.
+    """A directory name for a torchrun run id; every id torchrun accepts gets one.
 
-    Letters, digits, ``.``, ``_`` and ``-`` are kept; any other character becomes ``_``
-    and a short hash of the original is appended so distinct ids stay distinct. Ids that
-    are or contain a path (``/``, ``\\``, a leading ``.``, NUL) are rejected.
+    Ids of up to 64 letters, digits, ``.``, ``_`` and ``-`` not starting with ``.`` are
+    used as they are. Any other id (a leading ``.``, ``/``, spaces, more than 64
+    characters) keeps its first 48 characters, each other character and a leading ``.``
+    replaced by ``_``, plus a hash of the whole id: the name never leaves the base
+    directory, and distinct ids stay distinct.
 
     >>> safe_run_id("job-42")
     'job-42'
     >>> safe_run_id("job:42")
-    'job_42-df66d774'
+    'job_42-df66d7748717a3c6'
     """
-    if not run_id or len(run_id) > 200:
-        raise LaunchError(f"run id {run_id!r} must be 1 to 200 characters long")
-    if "/" in run_id or "\\" in run_id or "\0" in run_id or run_id.startswith("."):
-        raise LaunchError(
-            f"run id {run_id!r} looks like a path; it may not contain '/', '\\' or NUL "
-            "or start with '.'"
-        )
-    cleaned = "".join(c if _SAFE.fullmatch(c) else "_" for c in run_id)
-    if cleaned != run_id:
-        cleaned = f"{cleaned}-{digest(run_id)[:8]}"
-    return cleaned
+    if _SAFE.fullmatch(run_id):
+        return run_id
+    kept = "".join(c if _KEEP.fullmatch(c) else "_" for c in run_id[:48])
+    if kept.startswith("."):
+        kept = "_" + kept[1:]
+    return f"{kept}-{digest(run_id)}"
 
 
 def run_directory(run_id: str, base: str | os.PathLike[str] | None = None) -> Path:
