@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from topomesh.cost.calibrate import default_profile_path
 from topomesh.cost.collectives import (
     CollectiveProfile,
     builtin_profile,
@@ -50,7 +51,6 @@ from topomesh.cost.collectives import (
 from topomesh.cost.devices import (
     DeviceSpec,
     builtin_specs,
-    cache_dir,
     cpu_spec,
     device_by_fingerprint,
     device_spec,
@@ -247,7 +247,7 @@ def local_profile(directory: Path | None = None, hostname: str | None = None) ->
     ``--output``) for profiles measured with gloo on exactly this host. There is no built-in
     gloo profile: without one, :class:`ClusterError` says to run the calibration.
     """
-    folder = (directory or cache_dir()) / "collectives"
+    folder = directory / "collectives" if directory is not None else default_profile_path("any").parent
     host = hostname or socket.gethostname()
     found: list[tuple[str, Path, CollectiveProfile]] = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
