@@ -152,6 +152,13 @@ def test_knob_table_is_the_product_of_the_requested_values():
     assert space.size == formula(3, 6) * 24
 
 
+def test_every_multi_stage_schedule_takes_the_interleaves():
+    table = KnobTable.product(schedule=("interleaved-zb", "looped-bfs", "gpipe"), interleave=(1, 2, 4))
+    assert [(k.schedule.value, k.interleave) for k in table.rows()] == [
+        ("interleaved-zb", 2), ("interleaved-zb", 4), ("looped-bfs", 2), ("looped-bfs", 4), ("gpipe", 1),
+    ]
+
+
 def test_knob_errors_name_the_value():
     with pytest.raises(LayoutError, match=r"interleaved-1f1b schedule needs an interleave above 1; got \[1\]"):
         KnobTable.product(schedule=("interleaved-1f1b",), interleave=(1,))
