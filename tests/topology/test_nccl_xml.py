@@ -166,9 +166,31 @@ def test_error_names_element_path() -> None:
     assert info.value.where == "/system/cpu[1]/pci[1]/pci[1]/gpu[1]"
 
 
-def test_deep_nesting_is_not_a_recursion_error() -> None:
-    depth = 5000
-    text = "<system><cpu numaid='0'>" + "".join(f"<pci busid='{i:04x}:00:00.0'>" for i in range(depth))
-    text += "<gpu dev='0'/>" + "</pci>" * depth + "</cpu></system>"
-    host = parse_nccl_xml(text, source="<deep>")
-    assert len(host.gpus) == 1
+def test_deep_nesting_is_refused_at_the_depth_limit() -> None:
+    def nested(depth: int) -> str:
+        text = "<system><cpu numaid='0'>" + "".join(f"<pci busid='{i:04x}:00:00.0'>" for i in range(depth))
+        return text + "<gpu dev='0'/>" + "</pci>" * depth + "</cpu></system>"
+
+    # system, cpu, 61 pci and the gpu are 64 levels: the limit, accepted
+    assert len(parse_nccl_xml(nested(61), source="<deep>").gpus) == 1
+    # one more pci puts the gpu at level 65, element 65 in document order
+    with pytest.raises(TopologyError, match=r"deeper than the limit of 64 \(at <gpu>, element 65\)"):
+        parse_nccl_xml(nested(62), source="<deep>")
+    # 5,000 deep (memory grew with depth squared): refused at the first element past the limit
+    with pytest.raises(TopologyError, match=r"deeper than the limit of 64 \(at <pci>, element 65\)"):
+        parse_nccl_xml(nested(5000), source="<deep>")
+
+
+def test_device_and_element_counts_are_bounded() -> None:
+    gpus = "".join(f"<gpu dev='{i}'/>" for i in range(257))
+    with pytest.raises(TopologyError, match="lists 257 GPUs and NICs, more than the limit of 256 devices per host"):
+        parse_nccl_xml(f"<system><cpu numaid='0'>{gpus}</cpu></system>", source="<many>")
+    many = "<nic/>" * 100_000  # with system and cpu: 100,002 elements
+    with pytest.raises(TopologyError, match="more than the limit of 100000 XML elements"):
+        parse_nccl_xml(f"<system><cpu numaid='0'>{many}</cpu></system>", source="<many>")
+
+
+def test_huge_attribute_number_is_refused_before_conversion() -> None:
+    text = f"<system><cpu numaid='{'9' * 5000}'/></system>"
+    with pytest.raises(TopologyError, match=r"<cpu> attribute numaid='9999.*\(5000 characters\) is out of range"):
+        parse_nccl_xml(text, source="<digits>")

@@ -138,3 +138,33 @@ def test_bad_matrix_names_the_problem(text: str, match: str) -> None:
     with pytest.raises(TopologyError, match=match) as info:
         parse_smi_topo(text, source="bad.txt")
     assert str(info.value).startswith("bad.txt")
+
+
+def _labelled_matrix(labels: list[str], cells: dict[tuple[int, int], str] | None = None) -> str:
+    """A tab-separated matrix with SYS everywhere off the diagonal unless ``cells`` says."""
+    rows = ["\t" + "\t".join(labels)]
+    for i, a in enumerate(labels):
+        row = [(cells or {}).get((i, j), "X" if i == j else "SYS") for j in range(len(labels))]
+        rows.append("\t".join([a, *row]))
+    return "\n".join(rows) + "\n"
+
+
+def test_columns_are_bounded_before_rows_are_read() -> None:
+    header = "\t" + "\t".join(f"GPU{i}" for i in range(10_000)) + "\n"
+    with pytest.raises(TopologyError, match=r"line 1: the header names 10000 columns, more than the limit of 256"):
+        parse_smi_topo(header + "GPU0\tX\n", source="wide.txt")
+    assert len(parse_smi_topo(_labelled_matrix([f"GPU{i}" for i in range(256)]), source="w.txt").gpus) == 256
+
+
+@pytest.mark.parametrize(
+    ("labels", "cells", "match"),
+    [
+        (["GPU0", "GPU1", "GPU01"], None, r"line 1: columns GPU1 and GPU01 both name GPU index 1"),
+        (["GPU0", "GPU" + "1" * 5000], None, r"line 1: column 'GPU1111.*has an index of 5000 digits"),
+        (["GPU0", "GPU1"], {(0, 1): "NV" + "9" * 5000, (1, 0): "NV" + "9" * 5000}, r"line 2: NV# between GPU0 and GPU1 has 5000 digits"),
+        (["GPU0", "GPU1"], {(0, 1): "NV٤", (1, 0): "NV٤"}, r"line 2: unknown link 'NV٤' between GPU0 and GPU1"),
+    ],
+)
+def test_hostile_labels_and_cells(labels: list[str], cells: dict | None, match: str) -> None:
+    with pytest.raises(TopologyError, match=match):
+        parse_smi_topo(_labelled_matrix(labels, cells), source="bad.txt")

@@ -273,6 +273,7 @@ class Host:
         try:
             if not isinstance(data, Mapping):
                 raise TypeError("expected an object")
+            _bounded_host_lists(data)
             devices = tuple(
                 Device(**{**_typed(Device, d), "kind": DeviceKind(d["kind"])})
                 for d in _list(data, "devices")
@@ -292,6 +293,23 @@ class Host:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TopologyError(f"malformed host description ({exc})", source=source) from None
+
+
+MAX_HOST_DEVICES = 256
+"""Most devices (GPUs, CPUs) and NICs one host description may list, in every reader. Real
+servers list a few dozen (a DGX H100: 8 GPUs, 12 NICs in ``nvidia-smi topo -m``); readers
+build a path per pair, so the limit keeps that work to ~33,000 pairs."""
+
+
+def _bounded_host_lists(data: Mapping[str, Any]) -> None:
+    """Refuse oversized lists before a dataclass is built per entry."""
+    endpoints = sum(len(v) for k in ("devices", "nics") if isinstance(v := data.get(k), list))
+    paths = data.get("paths")
+    max_paths = MAX_HOST_DEVICES * (MAX_HOST_DEVICES - 1) // 2
+    if endpoints > MAX_HOST_DEVICES:
+        raise TypeError(f"{endpoints} devices and NICs, more than the limit of {MAX_HOST_DEVICES} per host")
+    if isinstance(paths, list) and len(paths) > max_paths:
+        raise TypeError(f"{len(paths)} paths, more than the limit of {max_paths} (one per pair of endpoints)")
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float)}

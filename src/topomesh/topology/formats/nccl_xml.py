@@ -48,7 +48,16 @@ from pathlib import PurePath
 from topomesh.errors import TopologyError
 from topomesh.topology.defaults import link_defaults
 from topomesh.topology.discover import gpu_from_table, pcie_gen
-from topomesh.topology.model import Device, DeviceKind, Host, LinkKind, Nic, NicKind, Path
+from topomesh.topology.model import (
+    MAX_HOST_DEVICES,
+    Device,
+    DeviceKind,
+    Host,
+    LinkKind,
+    Nic,
+    NicKind,
+    Path,
+)
 
 # PCI class codes (base class << 8 | subclass), PCI-SIG Code and ID Assignment Spec.
 _CLASS_VGA = 0x0300
@@ -66,6 +75,11 @@ _DTD = re.compile(r"<!\s*(DOCTYPE|ENTITY)", re.IGNORECASE)
 MAX_ATTR_INT = 2**31 - 1
 """Largest integer attribute accepted (link counts, speeds in Mb/s, widths): bigger values
 are damage, and would overflow floats in bandwidth arithmetic."""
+MAX_XML_ELEMENTS = 100_000
+"""Most elements in an NCCL topology file: a DGX A100's has 102 (examples/data/real)."""
+MAX_XML_DEPTH = 64
+"""Deepest element nesting accepted: NCCL writes system/cpu/pci/pci/gpu/nvlink (6)."""
+_XML_CHUNK = 1 << 16
 
 
 def host_name_for(source: str) -> str:
@@ -117,6 +131,8 @@ def _attr_int(el: ET.Element, name: str, where: str, source: str, base: int = 10
     raw = el.get(name)
     if raw is None or raw.strip() == "":
         return None
+    if len(raw) > 24:  # checked before int(): 5,000 digits would be slow, then a ValueError
+        raise TopologyError(f"<{el.tag}> attribute {name}={_short(raw)} is out of range", source=source, where=where)
     try:
         value = int(raw.strip(), base)
     except ValueError:
@@ -288,15 +304,16 @@ def parse_nccl_xml(text: str, *, source: str) -> Host:
     if _DTD.search(text):
         # NCCL never writes DTDs; refusing them rules out entity-expansion attacks
         raise TopologyError("DOCTYPE/ENTITY declarations are not allowed in a topology file", source=source)
-    try:
-        root = ET.fromstring(text)
-    except ET.ParseError as exc:
-        line, col = exc.position
-        msg = str(exc).split(":")[0]
-        raise TopologyError(f"not well-formed XML ({msg})", source=source, where=f"line {line} column {col + 1}") from None
+    root = _parse_bounded(text, source)
     if root.tag != "system":
         raise TopologyError(f"root element is <{root.tag}>, expected <system>", source=source, where="/")
     found = _walk(root, source)
+    count = len(found.gpus or found.class_gpus) + len(found.nics)
+    if count > MAX_HOST_DEVICES:
+        raise TopologyError(
+            f"the file lists {count} GPUs and NICs, more than the limit of {MAX_HOST_DEVICES} devices per host",
+            source=source,
+        )
 
     cpus: list[Device] = []
     for numa, where in found.cpus:
@@ -335,6 +352,40 @@ def parse_nccl_xml(text: str, *, source: str) -> Host:
         nics=nics,
         paths=tuple(paths),
     )
+
+
+def _parse_bounded(text: str, source: str) -> ET.Element:
+    """The XML tree of ``text``, parsed in chunks so that too many elements or too deep a
+    nesting is refused after at most one chunk more than the limit (no tree of millions of
+    elements is ever built)."""
+    parser = ET.XMLPullParser(events=("start", "end"))
+    root: ET.Element | None = None
+    depth = count = 0
+    try:
+        for start in range(0, len(text), _XML_CHUNK):
+            parser.feed(text[start : start + _XML_CHUNK])
+            for event, el in parser.read_events():
+                if event == "end":
+                    depth -= 1
+                    continue
+                root = el if root is None else root
+                depth += 1
+                count += 1
+                if depth > MAX_XML_DEPTH:
+                    raise TopologyError(
+                        f"elements nested deeper than the limit of {MAX_XML_DEPTH} (at <{_short(str(el.tag), 20)[1:-1]}>, element {count})",
+                        source=source,
+                    )
+                if count > MAX_XML_ELEMENTS:
+                    raise TopologyError(f"more than the limit of {MAX_XML_ELEMENTS} XML elements", source=source)
+        parser.close()
+    except ET.ParseError as exc:
+        line, col = exc.position
+        msg = str(exc).split(":")[0]
+        raise TopologyError(f"not well-formed XML ({msg})", source=source, where=f"line {line} column {col + 1}") from None
+    if root is None:
+        raise TopologyError("no XML element found", source=source)
+    return root
 
 
 _NvLinks = dict[str, list[tuple[str, int, int | None, str]]]  # gpu id → (target, count, tclass, where)

@@ -28,15 +28,26 @@ from dataclasses import dataclass
 from topomesh.errors import TopologyError
 from topomesh.topology.defaults import link_defaults
 from topomesh.topology.formats.nccl_xml import MAX_ATTR_INT, host_name_for, is_rdma_name
-from topomesh.topology.model import Device, DeviceKind, Host, LinkKind, Nic, NicKind, Path
+from topomesh.topology.model import (
+    MAX_HOST_DEVICES,
+    Device,
+    DeviceKind,
+    Host,
+    LinkKind,
+    Nic,
+    NicKind,
+    Path,
+)
 
 _AFFINITY = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 _HEADER_TOKEN = re.compile(r"CPU Affinity|NUMA Affinity|GPU NUMA ID|\S+")
-_GPU = re.compile(r"^GPU(\d+)$")
-_NIC = re.compile(r"^NIC(\d+)$")
-_NV = re.compile(r"^NV(\d+)$")
-_NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
-_CELL = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)$")
+# ASCII digits only ("\d" takes "٤"), and "\Z" (not "$", which matches before a final "\n")
+_GPU = re.compile(r"GPU([0-9]+)\Z")
+_NIC = re.compile(r"NIC([0-9]+)\Z")
+_NV = re.compile(r"NV([0-9]+)\Z")
+_NIC_LEGEND = re.compile(r"^\s*(NIC[0-9]+)\s*:\s*(\S+)\s*$")
+_CELL = re.compile(r"(X|NV[0-9]+|PIX|PXB|PHB|NODE|SYS|SOC)\Z")
+_MAX_INDEX_DIGITS = 6
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Row:
@@ -82,7 +93,7 @@ def _rows(lines: list[str], start: int, labels: list[str], source: str) -> dict[
             )
         for col, cell in zip(labels, cells, strict=True):
             nv = _NV.match(cell)
-            if nv and int(nv.group(1)) > MAX_ATTR_INT:
+            if nv and (len(nv.group(1)) > 10 or int(nv.group(1)) > MAX_ATTR_INT):  # length first: no int() of 5,000 digits
                 raise TopologyError(f"NV# between {label} and {col} has {len(cell) - 2} digits: out of range", source=source, where=f"line {i + 1}")
             if not _CELL.match(cell):
                 raise TopologyError(
@@ -106,7 +117,7 @@ def _numa(row: _Row | None, header_extra: list[str]) -> int | None:
     if pos >= len(row.extra):
         return None
     value = row.extra[pos]
-    return int(value) if value.isdigit() else None
+    return int(value) if re.fullmatch(r"[0-9]{1,6}", value) else None  # not str.isdigit: "²" is a digit
 
 
 def parse_smi_topo(text: str, *, source: str) -> Host:
@@ -115,6 +126,12 @@ def parse_smi_topo(text: str, *, source: str) -> Host:
     start, tokens = _find_header(lines, source)
     labels = [t for t in tokens if t not in _AFFINITY]
     header_extra = [t for t in tokens if t in _AFFINITY]
+    if len(labels) > MAX_HOST_DEVICES:
+        raise TopologyError(
+            f"the header names {len(labels)} columns, more than the limit of {MAX_HOST_DEVICES} devices per host",
+            source=source,
+            where=f"line {start + 1}",
+        )
     if len(set(labels)) != len(labels):
         raise TopologyError("the header names a column twice", source=source, where=f"line {start + 1}")
     rows = _rows(lines, start + 1, labels, source)
@@ -128,7 +145,12 @@ def parse_smi_topo(text: str, *, source: str) -> Host:
     for label in labels:
         g = _GPU.match(label)
         if g:
+            if len(g.group(1)) > _MAX_INDEX_DIGITS:
+                raise TopologyError(f"column {label[:20]!r}... has an index of {len(g.group(1))} digits", source=source, where=f"line {start + 1}")
             idx = int(g.group(1))
+            other = next((d.id for d in gpus if d.index == idx), None)
+            if other is not None:
+                raise TopologyError(f"columns {other} and {label} both name GPU index {idx}", source=source, where=f"line {start + 1}")
             gpus.append(Device(id=label, kind=DeviceKind.GPU, index=idx, numa_node=_numa(rows.get(label), header_extra)))
             ids[label] = label
             continue
