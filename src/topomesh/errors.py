@@ -52,3 +52,8 @@ class ModelConfigError(TopomeshError, ValueError):
 class ClusterError(TopomeshError, ValueError):
     """A cluster is unknown or cannot be built: a preset name, a --gpus count, a device,
     or a local cluster without the measurements it needs."""
+
+
+class OutputError(TopomeshError, OSError):
+    """An output file a user named cannot be written as asked: the path exists and is not a
+    regular file (a device such as ``/dev/null``, a FIFO, a socket, a directory)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,16 @@ def test_bad_sysfs_root_in_a_process(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [f"topomesh: error: sysfs root '{tmp_path / 'nope'}' does not exist"]
+
+
+def test_output_to_a_fifo_or_a_link_to_one_is_refused(capsys, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "null"  # stands in for /dev/null: a test that touched the real one could delete it as root
+    link.symlink_to(fifo)
+    for target, via in ((fifo, ""), (link, f" (a link to {fifo})")):
+        rc, _, err = _discover(capsys, "--sysfs-root", SYSFS / "cpu-only", "-o", target, "--json")
+        assert rc == 2
+        assert err == (f"topomesh: error: {target}{via} is a named pipe (FIFO), not a regular file: refusing to "
+                       "replace it; name a regular file or a new path\n")
+    assert os.path.islink(link) and sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "null"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,11 @@ def test_show_layout_view_places_tp_on_nvlink(tmp_path, capsys):
 def test_show_bad_layout_is_one_line(capsys, spec, message):
     rc, out, err = _show(capsys, str(TESTS / "golden" / "two_hosts_nvlink_pairs.v01.json"), "--layout", spec)
     assert rc == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+def test_png_to_a_fifo_is_refused(capsys, shared_data: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    rc, _, err = _show(capsys, shared_data / A100, "--png", fifo)
+    assert rc == 2 and err == (f"topomesh: error: {fifo} is a named pipe (FIFO), not a regular file: refusing "
+                               "to replace it; name a regular file or a new path\n")

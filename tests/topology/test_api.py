@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from topomesh import load_topology
-from topomesh.errors import TopologyError
+from topomesh.errors import OutputError, TopologyError
 from topomesh.topology import api
 from topomesh.topology.build import build_topology, default_placement
 
@@ -68,6 +68,36 @@ def test_write_atomic_leaves_old_file_on_failure(tmp_path, monkeypatch):
         api.write_atomic(p, "new")
     assert p.read_text() == "old"
     assert sorted(x.name for x in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_write_atomic_refuses_what_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputError, match=rf"^{fifo} is a named pipe \(FIFO\), not a regular file: refusing to "
+                                          r"replace it; name a regular file or a new path$"):
+        api.write_atomic(fifo, "x")  # neither blocks on the pipe nor renames over it
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    with pytest.raises(OutputError, match=rf"^{tmp_path} is a directory, not a regular file"):
+        api.write_atomic(tmp_path, "x")
+    link = tmp_path / "to-fifo"
+    link.symlink_to(fifo)
+    with pytest.raises(OutputError, match=rf"^{link} \(a link to {fifo}\) is a named pipe"):
+        api.write_atomic(link, "x")
+    assert link.is_symlink() and sorted(x.name for x in tmp_path.iterdir()) == ["fifo", "to-fifo"]
+
+
+def test_write_atomic_follows_a_link_to_a_regular_file(tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert api.write_atomic(link, "new") == link
+    assert link.is_symlink() and os.readlink(link) == str(real)  # the link stays a link
+    assert real.read_text() == "new"
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "made.json")  # as a shell's `>` does: the named file is created
+    api.write_atomic(dangling, "made")
+    assert (tmp_path / "made.json").read_text() == "made" and dangling.is_symlink()
 
 
 def test_byte_order_mark_is_tolerated(tmp_path):

@@ -16,7 +16,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from topomesh.errors import TopologyError, TopomeshError
+from topomesh.errors import OutputError, TopologyError, TopomeshError
 from topomesh.report.topology import KIND_COLORS, cell_label
 from topomesh.topology.model import Connection, DeviceKind, LinkKind, Topology
 
@@ -152,8 +152,16 @@ def _draw_ranks(ax, topo: Topology, ranks: list[int], cx: float, cy: float, used
 
 def save_png(topo: Topology, path: str | os.PathLike[str], **kwargs: int) -> None:
     """Draw ``topo`` and write it as a PNG file."""
+    import io
+
+    from topomesh.topology.api import write_atomic
+
     fig = draw_topology(topo, **kwargs)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     try:
-        fig.savefig(path, format="png", dpi=120, bbox_inches="tight")
+        write_atomic(path, buf.getvalue())  # the one writer: refuses devices, FIFOs, directories
+    except OutputError:
+        raise
     except OSError as exc:
         raise TopologyError(f"cannot write the picture ({exc.strerror or exc})", source=str(path)) from None

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from topomesh.errors import TopologyError, TopomeshError
+from topomesh.errors import OutputError, TopologyError, TopomeshError
 from topomesh.topology.formats import compact, rfc
 from topomesh.topology.model import Host, Topology
 
@@ -304,18 +304,47 @@ def read_json(path: str | os.PathLike[str], *, what: str, error: type[TopomeshEr
     return loads_bounded(text, source=f"{p} ({what})", error=error)
 
 
+_NOT_REGULAR = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
 def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o644) -> Path:
     """Write ``data`` (text as UTF-8, or bytes) so readers see the old file or the new one,
-    never a partial one."""
+    never a partial one: a temporary file in the same directory, renamed over the target.
+
+    Every file a user names (``discover -o``, ``--png``, profiles, caches) is written here.
+    ``path`` may be a new file, an existing regular file (replaced, ``mode`` set), or a
+    symbolic link to either (followed: the file it names is written, the link stays, as a
+    shell's ``>`` does). Anything else already there — a device such as ``/dev/null``, a
+    FIFO, a socket, a directory — raises :class:`~topomesh.errors.OutputError` before
+    anything is written: the rename would replace the special file itself (``discover -o
+    /dev/null`` as root would delete the null device), and a FIFO would block.
+    """
     p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    target = Path(os.path.realpath(p))
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            what = next((name for test, name in _NOT_REGULAR if test(st.st_mode)), "not a regular file")
+            via = f" (a link to {target})" if p.is_symlink() else ""
+            raise OutputError(f"{p}{via} is {what}, not a regular file: refusing to replace it; "
+                              "name a regular file or a new path")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, p)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -333,5 +362,7 @@ def save_topology(
     text = dumps(topo, form, dense_max_ranks=dense_max_ranks)
     try:
         return write_atomic(path, text)
+    except OutputError:
+        raise
     except OSError as exc:
         raise TopologyError(f"cannot write the topology file ({exc.strerror or exc})", source=str(path)) from None
