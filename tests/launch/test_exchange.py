@@ -194,16 +194,22 @@ def test_leader_publishes_the_error_naming_the_bad_node(dgx: Host) -> None:
     with pytest.raises(LaunchError, match="^node 1 published a topology entry that was rejected: it is 1048581 bytes"):
         ex.lead(store, "t", 2, timeout_s=1)
     # the other node fails with the same sentence instead of waiting
-    with pytest.raises(LaunchError, match="^node 1 published a topology entry that was rejected"):
+    with pytest.raises(LaunchError, match="^node 1 published a topology entry that was rejected") as info:
         ex.fetch_world(store, "t", timeout_s=1)
+    assert not isinstance(info.value, ex.PeerMissingError)  # a bad entry ends the job; no new round
 
 
 def test_leader_names_a_node_that_never_publishes(dgx: Host) -> None:
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))
     ex.publish_node(store, "t", _entry(dgx, 0))
-    with pytest.raises(LaunchError, match="^node 1 did not publish its topology within 0.2 s"):
+    with pytest.raises(ex.PeerMissingError, match="^node 1 did not publish its topology within 0.2 s"):
         ex.lead(store, "t", 2, timeout_s=0.2)
+    # the others learn it at once, as a lost node (their agents re-form), not as a bad entry
+    with pytest.raises(ex.PeerMissingError, match="^node 1 did not publish its topology within 0.2 s"):
+        ex.fetch_world(store, "t", timeout_s=0.2)
+    with pytest.raises(ex.PeerMissingError, match=r"^node 0 \(the leader\) did not publish its topology within 0.2 s"):
+        ex.fetch_world(dist.HashStore(), "t", timeout_s=0.2)
 
 
 def test_probe_results_are_validated_and_deduplicated(dgx: Host) -> None:

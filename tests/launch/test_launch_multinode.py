@@ -196,3 +196,23 @@ def test_checkpoint_replica_example_copies_shards_to_the_other_host(agents: Agen
     assert all(rep["peer_hosts"] != [rep["host"]] for rep in reports.values())
     assert all(rep["received_from"] == rep["peers"] and not rep["corrupt_from"] for rep in reports.values())
     assert "rank 0 (dgx-h100-8gpu-8ib): copies on 2 (pcie-4gpu-2numa, NIC)" in agents.log(a)
+
+
+def test_node_lost_inside_the_exchange_is_a_membership_change(agents: Agents) -> None:
+    """--nnodes=1:2 --max-restarts=0: node b dies after the rendezvous, before publishing its
+    topology. Node a re-forms the rendezvous alone and finishes, as torchrun's survivor does,
+    without spending a restart (there are none) and long before a failure would surface."""
+    port = free_port()
+    # last call 5 s: long enough for b to join a's first round (agents start in seconds here)
+    conf = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60"
+    common = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", *_rdzv(port, "lost"),
+              "--max-restarts=0", "--topology-timeout=3", f"--topology-dir={agents.tmp / 'topo'}"]
+    a = agents.start("a", [*common, f"--rdzv-conf=is_host=1,{conf}"], sysfs="dgx-h100-8gpu-8ib")
+    b = agents.start("b", [*common, f"--rdzv-conf=is_host=0,{conf}"], sysfs="pcie-4gpu-2numa",
+                     env={"TOPOMESH_TEST_HOLD_EXCHANGE_S": "120"})
+    _wait_for(lambda: "holding the exchange" in agents.log(b), 60, "node b inside the exchange", agents, a, b)
+    agents.kill(b)
+    assert agents.wait(a, timeout=60) == 0, agents.log(a)[-3000:]
+    reports = agents.reports()
+    assert [(r["rank"], r["world_size"], r["hostnames"]) for r in reports] == [(0, 1, ["dgx-h100-8gpu-8ib"])]
+    assert "re-forming the rendezvous without it (1 of 3)" in agents.log(a)

@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -41,6 +42,11 @@ from topomesh.topology.model import Host
 log = logging.getLogger("topomesh.launch")
 
 TESTED_TORCH = "2.13"
+MAX_MISSING_ROUNDS = 3
+"""Rendezvous rounds in a row the agent re-forms because a node published nothing."""
+TEST_HOLD_ENV = "TOPOMESH_TEST_HOLD_EXCHANGE_S"
+"""Test hook: seconds an agent sleeps after each rendezvous before publishing its entry,
+so a test can kill it inside the exchange. Unset in real jobs."""
 
 
 def check_hooks() -> None:
@@ -118,7 +124,22 @@ class TopologyAgent(LocalElasticAgent):
         if self._topology.mode is TopologyMode.OFF:
             return
         t0 = time.perf_counter()
-        path = self._round_file(worker_group)
+        lost = 0
+        while True:
+            try:
+                path = self._round_file(worker_group)
+                break
+            except exchange.PeerMissingError as exc:
+                # A node lost right after the rendezvous: torchrun would notice it later and
+                # re-form without it; do that now instead of failing the job. Not a restart
+                # (torchrun does not count membership changes), but bounded, so a peer that
+                # is alive and never publishes (plain torchrun) still ends in an error.
+                # The static backend cannot form a round without the lost node.
+                if lost >= MAX_MISSING_ROUNDS or worker_group.spec.rdzv_handler.get_backend() == "static":
+                    raise
+                lost += 1
+                log.warning("topomesh: %s; re-forming the rendezvous without it (%d of %d)", exc, lost, MAX_MISSING_ROUNDS)
+                super()._rendezvous(worker_group)
         self._rounds += 1
         self._topology_file = str(path)
         log.info("topomesh: %s for round %d (%.3f s)", path, self._rounds - 1, time.perf_counter() - t0)
@@ -162,6 +183,10 @@ class TopologyAgent(LocalElasticAgent):
             restart_count=spec.max_restarts - self._remaining_restarts,
             local_measured=self._probe_local(host, [s.device for s in slots]) if self._topology.probe else (),
         )
+        hold_s = os.environ.get(TEST_HOLD_ENV)
+        if hold_s:
+            log.warning("topomesh: holding the exchange for %s s (%s)", hold_s, TEST_HOLD_ENV)
+            time.sleep(float(hold_s))
         if self._topology.probe and wg.group_world_size > 1:
             with contextlib.ExitStack() as stack:
                 addr = None

@@ -49,6 +49,12 @@ MAX_SHOWN = 120
 """Longest excerpt of a peer's value quoted in an error message (characters)."""
 
 
+class PeerMissingError(LaunchError):
+    """A node of this rendezvous round published nothing in time (it died or hangs right
+    after the rendezvous). The agent answers with a new rendezvous round, as torchrun
+    does for a membership change, instead of failing the job."""
+
+
 class KeyValueStore(Protocol):
     """The part of ``torch.distributed.Store`` the exchange uses."""
 
@@ -411,9 +417,11 @@ MAX_ERROR_CHARS = 2000
 """Longest error sentence the leader publishes or a node repeats from it."""
 
 
-def error_document(message: str) -> bytes:
-    """What the leader publishes instead of a world when an entry was rejected."""
-    return zlib.compress(json.dumps({"format": WORLD_FORMAT, "error": message[:MAX_ERROR_CHARS]}).encode())
+def error_document(message: str, *, missing: bool = False) -> bytes:
+    """What the leader publishes instead of a world when an entry was rejected, or (with
+    ``missing``) when a node published nothing, which the others answer with a new round."""
+    key = "missing" if missing else "error"
+    return zlib.compress(json.dumps({"format": WORLD_FORMAT, key: message[:MAX_ERROR_CHARS]}).encode())
 
 
 def decode_world(blob: bytes, *, max_bytes: int = MAX_WORLD_BYTES) -> World:
@@ -430,6 +438,8 @@ def decode_world(blob: bytes, *, max_bytes: int = MAX_WORLD_BYTES) -> World:
         raise LaunchError("the world document from node 0 has an unknown format")
     if "error" in doc:
         raise LaunchError(str(doc["error"])[:MAX_ERROR_CHARS])
+    if "missing" in doc:
+        raise PeerMissingError(str(doc["missing"])[:MAX_ERROR_CHARS])
     try:
         classes = [Host.from_dict({**c, "hostname": "class"}, source="world") for c in doc["classes"]]
         hosts: list[Host] = []
@@ -469,7 +479,7 @@ def wait_for(store: KeyValueStore, key: str, timeout_s: float, *, what: str) -> 
     try:
         store.wait([key], timedelta(seconds=timeout_s))
     except Exception as exc:  # the store raises DistStoreError / RuntimeError on timeout
-        raise LaunchError(
+        raise PeerMissingError(
             f"{what} did not publish its topology within {timeout_s:g} s ({type(exc).__name__}); "
             "is every node running `topomesh launch` with the same topology options?"
         ) from None
@@ -496,7 +506,8 @@ def lead(
     """The leader's part: gather and validate every node entry, publish the world.
 
     With ``probe_timeout_s`` it also gathers each node's probe result. On a rejected entry
-    it publishes the error for the other nodes and raises it.
+    it publishes the error for the other nodes and raises it; on a node that published
+    nothing in time it publishes that too and raises :class:`PeerMissingError`.
     """
     try:
         classes = HostClasses(lambda d, g: wait_for(store, class_key(ns, d), timeout_s, what=f"node {g}"))
@@ -507,7 +518,7 @@ def lead(
         rows = gather_probes(store, ns, world_size, probe_timeout_s) if probe_timeout_s is not None else []
         doc = assemble_world(entries, rows)
     except LaunchError as exc:
-        store.set(world_key(ns), error_document(str(exc)))
+        store.set(world_key(ns), error_document(str(exc), missing=isinstance(exc, PeerMissingError)))
         raise
     store.set(world_key(ns), doc)
 
