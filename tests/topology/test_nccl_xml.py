@@ -161,7 +161,7 @@ def test_bad_xml_names_the_place(text: str, match: str) -> None:
 
 def test_error_names_element_path() -> None:
     text = _system('<pci busid="01:00.0"><pci busid="02:00.0"><gpu dev="x"/></pci></pci>')
-    with pytest.raises(TopologyError) as info:
+    with pytest.raises(TopologyError, match=r"^f\.xml: /system/cpu\[1\]/pci\[1\]/pci\[1\]/gpu\[1\]: <gpu> attribute dev='x'") as info:
         parse_nccl_xml(text, source="f.xml")
     assert info.value.where == "/system/cpu[1]/pci[1]/pci[1]/gpu[1]"
 
