@@ -89,7 +89,7 @@ def test_node_roundtrip_and_real_host_size(dgx: Host) -> None:
 )
 def test_bad_node_entries_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
     doc = json.loads(ex.encode_node(_entry(dgx, 1)))
-    with pytest.raises(LaunchError) as info:
+    with pytest.raises(LaunchError, match="^node 1 published a topology entry that was rejected") as info:
         ex.decode_node(mutate(doc), group_rank=1, classes=_classes(dgx))
     msg = str(info.value)
     assert msg.startswith("node 1 published a topology entry that was rejected"), msg
@@ -122,7 +122,7 @@ def _device_field(key: str, value: object):
 def test_bad_host_descriptions_are_rejected_naming_the_node(dgx: Host, mutate, why: str) -> None:
     body = mutate(json.loads(ex.host_class(dgx)[1]))
     digest = hashlib.sha256(body).hexdigest()[:32]
-    with pytest.raises(LaunchError) as info:
+    with pytest.raises(LaunchError, match="^node 3 published a topology entry that was rejected") as info:
         ex.HostClasses().add(digest, body, group_rank=3)
     msg = str(info.value)
     assert msg.startswith("node 3 published a topology entry that was rejected"), msg
