@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from topomesh.errors import LaunchError, TopologyError
+from topomesh.topology import api
 from topomesh.topology.model import Host, RankInfo
 
 NODE_FORMAT = "topomesh-node/1"
@@ -42,9 +42,6 @@ MAX_WORLD_BYTES = 256 << 20
 MAX_INT = 2**31 - 1
 """Largest rank, local rank, node index or restart count accepted from a peer: torch's
 ranks are 32-bit, and a restart count goes into a file name."""
-MAX_INT_DIGITS = 20
-"""Longest integer literal parsed from a peer's JSON; longer ones are refused before
-``int()`` sees them (a 5,000-digit literal costs time and trips Python's digit limit)."""
 MAX_SHOWN = 120
 """Longest excerpt of a peer's value quoted in an error message (characters)."""
 
@@ -188,48 +185,30 @@ def _number(value: Any, what: str) -> float:
     return float(value)
 
 
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS} are accepted)")
-    return int(text)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {_show(text)} is out of range")
-    return value
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not a number JSON allows")
-
-
 def loads_peer(blob: bytes) -> Any:
     """Parse JSON that another node wrote, with bounded cost and only finite numbers.
 
-    The caller has already checked the size. Integer literals longer than
-    :data:`MAX_INT_DIGITS` digits, ``NaN``/``Infinity`` and floats that overflow are
-    refused; nesting deeper than the parser's recursion limit is refused instead of
-    raising ``RecursionError``. Every refusal is a ``ValueError`` with the reason.
+    The caller has already checked the size. The parse is
+    :func:`topomesh.topology.api.loads_bounded`, the one used for files: nesting deeper
+    than 64 levels, number literals of more than 40 digits, exponents of 3 or more digits
+    and ``NaN``/``Infinity`` are refused before they cost anything. Every refusal is a
+    ``ValueError`` with the reason and the line.
 
     >>> loads_peer(b'{"a": [1, 2.5]}')
     {'a': [1, 2.5]}
     >>> loads_peer(b"[" * 100_000)
     Traceback (most recent call last):
     ...
-    ValueError: JSON nested too deeply
+    ValueError: JSON nested deeper than the limit of 64 levels (line 1)
     """
     try:
         text = blob.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"not UTF-8 (byte {exc.start})") from None
     try:
-        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        return api.loads_bounded(text, source="entry", error=TopologyError)
+    except TopologyError as exc:
+        raise ValueError(f"{exc.reason} ({exc.where})" if exc.where else exc.reason) from None
 
 
 class HostClasses:
