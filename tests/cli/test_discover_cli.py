@@ -79,12 +79,6 @@ def test_nproc_and_env_root(capsys, monkeypatch) -> None:
     assert doc["ranks"]["0"]["peers"]["2"]["connection"]["type"] == "SHM"
 
 
-def test_png(capsys, tmp_path: Path) -> None:
-    png = tmp_path / "node.png"
-    rc, _, _ = _discover(capsys, "--sysfs-root", SYSFS / "nvlink-bridge-2gpu", "--png", png, "--json")
-    assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
-
-
 def test_bad_output_path_is_one_line(capsys, tmp_path: Path) -> None:
     rc, out, err = _discover(capsys, "--sysfs-root", SYSFS / "cpu-only", "-o", tmp_path / "no" / "such" / "dir.json")
     assert rc == 2 and out == ""

@@ -20,6 +20,7 @@ from topomesh.topology.build import build_topology, default_placement, single_ho
 from topomesh.topology.model import LinkKind
 
 from ..topology.helpers import cpu_host, dgx_host, pcie_host
+from .test_png import CPU_DOT, GPU_DOT, NVSWITCH, SYS, _count, _decode
 
 TESTS = Path(__file__).resolve().parents[1]
 INPUTS = TESTS / "fixtures" / "inputs"
@@ -105,7 +106,9 @@ def test_png_is_written(capsys, shared_data: Path, tmp_path: Path) -> None:
     png = tmp_path / "a100.png"
     rc, out, _ = _show(capsys, shared_data / A100, "--png", png)
     assert rc == 0 and f"drawn to {png}" in out
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = _decode(png)  # 8 NVSwitch GPUs and 5 IB NICs: NVSwitch edges, GPU dots, nothing slower drawn
+    assert _count(img, NVSWITCH) > 150 and _count(img, GPU_DOT) > 1500
+    assert _count(img, SYS) == 0 and _count(img, CPU_DOT) == 0
 
 
 def test_drawing_has_one_legend_entry_per_link_kind() -> None:
