@@ -26,7 +26,7 @@ def print_result(r: StepResult, *, model: str, cluster: str) -> None:
         f", {lay['microbatches']} micro-batch{'es' if lay['microbatches'] > 1 else ''}")
     out.print(f"[bold]{model}[/] on [bold]{cluster}[/] ({r.world_size} × {r.device}): {degrees}, order "
               f"{lay['order']}{pipe}; global batch {lay['global_batch']} × {lay['seq_len']} tokens, micro-batch "
-              f"{lay['micro_batch']}, {lay['dtype']}, recompute {lay['recompute']}, sequence parallel "
+              f"{lay['micro_batch']}, {lay['dtype']}{' (float32 master weights)' if lay.get('mixed_precision') else ''}, recompute {lay['recompute']}, sequence parallel "
               f"{'on' if lay['sequence_parallel'] else 'off'}", highlight=False)
     head = Table(show_header=False, box=None)
     head.add_row("step time", f"{_ms(r.step_time_s)} ms")

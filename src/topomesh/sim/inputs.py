@@ -65,6 +65,9 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[s.value for s in Schedule],
                    help="pipeline schedule (default 1f1b)")
     p.add_argument("--interleave", type=int, default=1, metavar="V", help="virtual stages per pipeline rank")
+    p.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=True,
+                   help="with FSDP (a dp or cp axis): float32 master weights and optimizer state, "
+                        "compute in --dtype, gradients reduced in float32 (default on)")
 
 
 def load_model(text: str, *, seq_len: int | None = None) -> Model:
@@ -154,7 +157,7 @@ def _user_model(path: Path, fn: str, seq_len: int | None) -> Model:
         return got
 
     model_spec, _ = call(None)
-    return Model(spec=model_spec, parallelize=lambda t: call(t)[1], seq_len=seq_len or getattr(model_spec, "seq_len", None))
+    return Model(spec=model_spec, parallelize=lambda t, _mixed: call(t)[1], seq_len=seq_len or getattr(model_spec, "seq_len", None))
 
 
 def cluster_from_args(args: argparse.Namespace) -> object:
@@ -192,4 +195,5 @@ def training_from_args(args: argparse.Namespace, layout: object, model: Model) -
     gb = args.global_batch if args.global_batch is not None else dp * args.micro_batch * (4 * pp if pp > 1 else 1)
     return Training(global_batch=gb, micro_batch=args.micro_batch, seq_len=args.seq_len or model.seq_len,
                     dtype=args.dtype, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                    schedule=Schedule(args.schedule), interleave=args.interleave)
+                    schedule=Schedule(args.schedule), interleave=args.interleave,
+                    mixed_precision=args.mixed_precision)

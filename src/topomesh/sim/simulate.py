@@ -55,6 +55,10 @@ class Training:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     interleave: int = 1
     """Virtual stages per pipeline rank (interleaved schedules)."""
+    mixed_precision: bool = True
+    """With a data-parallel or context-parallel axis (where FSDP2 runs): float32 master
+    weights and optimizer state, parameters gathered and computed in ``dtype``, gradients
+    reduced in float32 — as torchtitan trains. Without one, or off: everything in ``dtype``."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "micro_batch", "interleave"):
@@ -75,8 +79,9 @@ class Model:
     """What the simulator traces: the user's model and parallelize function per knob setting."""
 
     spec: ModelSpec
-    parallelize: Callable[[Training], ParallelizeFn | None]
-    """The parallelize function for a setting of the knobs (recompute, sequence parallel)."""
+    parallelize: Callable[[Training, bool], ParallelizeFn | None]
+    """The parallelize function for a setting of the knobs (recompute, sequence parallel) and
+    whether FSDP2 mixed precision applies (see :attr:`Training.mixed_precision`)."""
     seq_len: int | None = None
     config: object | None = None
     """The :class:`~topomesh.models.transformer.TransformerConfig` of a built-in model, for
@@ -91,9 +96,10 @@ def builtin_model(cfg: object, *, seq_len: int | None = None) -> Model:
     if seq_len is not None:
         cfg = dataclasses.replace(cfg, seq_len=seq_len)
 
-    def parallelize(t: Training) -> ParallelizeFn:
+    def parallelize(t: Training, mixed: bool) -> ParallelizeFn:
+        precision = {"param_dtype": DTYPES[t.dtype], "reduce_dtype": torch.float32} if mixed else {}
         return make_parallelize(ParallelOptions(sequence_parallel=t.sequence_parallel,
-                                                checkpointing=Checkpointing(t.recompute)))
+                                                checkpointing=Checkpointing(t.recompute), **precision))
 
     return Model(spec=transformer_spec(cfg), parallelize=parallelize, seq_len=cfg.seq_len, config=cfg)
 
@@ -138,9 +144,7 @@ class Simulator:
     """Measured op times (``OpProfileDB.table(fingerprint)``); ops not in it use the roofline."""
 
     def trace(self, layout: Layout, training: Training) -> Trace:
-        degrees = {a.value: layout.degree(a) for a in layout.mesh_axes if a is not Axis.PP}
-        return self.cache.get(self.model.spec, self.model.parallelize(training), degrees,
-                              batch_size=training.micro_batch, dtype=DTYPES[training.dtype])
+        return trace_layout(self.model, layout, training, self.cache)
 
     _memo: SimMemo = field(default_factory=lambda: SimMemo())
 
@@ -161,6 +165,21 @@ class SimMemo:
     axes: dict = field(default_factory=dict)
 
 
+def mixed_precision(layout: Layout, training: Training) -> bool:
+    """Whether FSDP2 mixed precision applies (see :attr:`Training.mixed_precision`)."""
+    sharded = any(layout.degree(a) > 1 for a in (Axis.DP_SHARD, Axis.DP_REPLICATE, Axis.CP))
+    return training.mixed_precision and sharded and DTYPES[training.dtype] is not torch.float32
+
+
+def trace_layout(model: Model, layout: Layout, training: Training, cache: TraceCache | None = None) -> Trace:
+    """The trace of ``layout``'s class under ``training``'s knobs (traced once per class)."""
+    degrees = {a.value: layout.degree(a) for a in layout.mesh_axes if a is not Axis.PP}
+    mixed = mixed_precision(layout, training)
+    dtype = torch.float32 if mixed else DTYPES[training.dtype]
+    return (cache or TraceCache()).get(model.spec, model.parallelize(training, mixed), degrees,
+                                       batch_size=training.micro_batch, dtype=dtype)
+
+
 def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training, *,
              cache: TraceCache | None = None, table: Mapping | None = None, record: bool = False,
              trace: Trace | None = None, memo: SimMemo | None = None) -> StepResult:
@@ -179,9 +198,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     micro = training.global_batch // (dp * training.micro_batch)
     pp = layout.degree(Axis.PP)
     if trace is None:
-        degrees = {a.value: layout.degree(a) for a in layout.mesh_axes if a is not Axis.PP}
-        trace = (cache or TraceCache()).get(model.spec, model.parallelize(training), degrees,
-                                             batch_size=training.micro_batch, dtype=DTYPES[training.dtype])
+        trace = trace_layout(model, layout, training, cache)
     placement = place(cluster.topology, layout)
     links: dict[str, AxisLink] = {}
 
@@ -325,6 +342,7 @@ def _result(model: Model, cluster: Cluster, layout: Layout, training: Training, 
             "interleave": interleave,
             "recompute": training.recompute,
             "sequence_parallel": training.sequence_parallel,
+            "mixed_precision": mixed_precision(layout, training),
         },
         world_size=cluster.world_size,
         device=cluster.device.name,

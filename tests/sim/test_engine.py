@@ -1,0 +1,106 @@
+"""The event engine on hand-built pieces with answers worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from topomesh.sim.engine import Piece, RankState, StagePlan, run_pieces, simulate_pipeline
+from topomesh.sim.price import Comm, Stream, Work
+from topomesh.sim.schedules import action_order
+
+
+def piece(work: Work, count: int = 1, label: str = "p") -> Piece:
+    return Piece(work=work, count=count, label=label, compute_s=work.compute_s)
+
+
+def test_two_ops_and_an_overlapped_gather():
+    # A computes 3 s; B needs a 4 s all-gather, prefetched when A starts (t=0), so it ends
+    # at 4 and B (2 s) starts at 4, not at 3: 1 s of the gather is exposed. Total 6 s.
+    a = Work(compute_s=3.0)
+    b = Work(compute_s=2.0, gather=(Comm("dp_shard", Stream.NET, 4.0),))
+    st = RankState()
+    run_pieces(st, [piece(a), piece(b)])
+    assert st.compute_free == pytest.approx(6.0)
+    assert st.exposed == {"dp_shard": pytest.approx(1.0)}
+    assert st.compute_s == pytest.approx(5.0)
+
+
+def test_a_blocking_collective_is_never_hidden():
+    # 3 s of compute then a 2 s tensor-parallel all-reduce the next op needs: 5 s, all 2 s exposed.
+    w = Work(compute_s=3.0, blocking=(Comm("tp", Stream.INTRA, 2.0),))
+    st = RankState()
+    run_pieces(st, [piece(w)])
+    assert st.compute_free == pytest.approx(5.0)
+    assert st.exposed == {"tp": pytest.approx(2.0)}
+
+
+def test_reductions_overlap_later_pieces_and_the_optimizer_waits():
+    # backward pieces of 1 s each issue a 1.5 s reduce-scatter on the network stream:
+    # reduce i starts at max(end of piece i, end of reduce i-1): 1, 2.5, 4 -> last ends at 5.5.
+    w = Work(compute_s=1.0, reduce=(Comm("dp_shard", Stream.NET, 1.5),))
+    plan = StagePlan(forward=(), backward=(piece(w, 3),), backward_input=(), backward_weight=(),
+                     optimizer=(piece(Work(compute_s=0.5)),))
+    run = simulate_pipeline([plan], action_order("1f1b", pp=1, microbatches=1), [0], 0.0)
+    st = run.ranks[0]
+    # compute 3 s, wait 2.5 s for the reductions, optimizer 0.5 s
+    assert run.step_time_s == pytest.approx(6.0)
+    assert st.exposed == {"dp_shard": pytest.approx(2.5)}
+    assert st.optimizer_s == pytest.approx(0.5)
+
+
+def test_streams_of_different_link_classes_run_at_once():
+    # two 4 s gathers for the second piece: on one stream they queue (8 s), on two they overlap (4 s)
+    same = Work(compute_s=1.0, gather=(Comm("a", Stream.NET, 4.0), Comm("b", Stream.NET, 4.0)))
+    split = Work(compute_s=1.0, gather=(Comm("a", Stream.NET, 4.0), Comm("b", Stream.INTRA, 4.0)))
+    for w, end in ((same, 9.0), (split, 5.0)):
+        st = RankState()
+        run_pieces(st, [piece(Work(compute_s=1.0)), piece(w)])
+        assert st.compute_free == pytest.approx(end)
+
+
+@pytest.mark.parametrize("gather_s", [0.5, 1.0, 2.5, 7.0])
+@pytest.mark.parametrize("count", [1, 2, 5, 80])
+def test_repeated_blocks_fast_forward_exactly(gather_s, count):
+    """The fast-forward of identical blocks gives the same times as running every copy
+    (recording spans turns the fast-forward off)."""
+    blk = Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, gather_s),),
+               blocking=(Comm("tp", Stream.INTRA, 0.25),), reduce=(Comm("dp_shard", Stream.NET, 0.75),))
+    pieces = [piece(Work(compute_s=0.3)), piece(blk, count), piece(Work(compute_s=0.2))]
+    fast, slow = RankState(), RankState(spans=[])
+    run_pieces(fast, pieces)
+    run_pieces(slow, pieces)
+    assert fast.compute_free == pytest.approx(slow.compute_free, rel=1e-12)
+    assert fast.reduce_end == pytest.approx(slow.reduce_end, rel=1e-12)
+    assert fast.exposed.keys() == slow.exposed.keys()
+    for k in fast.exposed:
+        assert fast.exposed[k] == pytest.approx(slow.exposed[k], rel=1e-9)
+
+
+def test_one_f_one_b_bubble_matches_the_analytic_value():
+    # uniform stages, F = 1 s, B = 2 s, no communication: 1F1B takes (m + p - 1)(F + B) and
+    # the bubble is (p - 1)/(m + p - 1) of the step (Narayanan et al. 2021, §2.2).
+    p, m = 4, 8
+    plan = StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=2.0)),),
+                     backward_input=(), backward_weight=(), optimizer=())
+    run = simulate_pipeline([plan] * p, action_order("1f1b", pp=p, microbatches=m), list(range(p)), 0.0)
+    assert run.step_time_s == pytest.approx((m + p - 1) * 3.0)
+    crit = run.ranks[run.critical_rank]
+    assert crit.bubble_s / run.step_time_s == pytest.approx((p - 1) / (m + p - 1))
+    for st in run.ranks:  # every rank computes m (F + B); the rest of the step it idles
+        assert st.compute_s == pytest.approx(m * 3.0)
+
+
+def test_gpipe_bubble_and_p2p_wait():
+    # GPipe with a 0.5 s send between stages: the last stage's first forward waits 3 sends;
+    # each send is booked as p2p wait on the receiver, the rest of its wait as bubble.
+    p, m, send = 3, 4, 0.5
+    plan = StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=1.0)),),
+                     backward_input=(), backward_weight=(), optimizer=())
+    run = simulate_pipeline([plan] * p, action_order("gpipe", pp=p, microbatches=m), list(range(p)), send)
+    # critical path: forwards of stage 0 (m), sends and forwards down (p-1)(1+send), then all
+    # backwards on the last stage (m) and back up (p-1)(1+send): 2m + 2(p-1)(1+send) = 8 + 6 = 14
+    assert run.step_time_s == pytest.approx(2 * m + 2 * (p - 1) * (1 + send))
+    last = run.ranks[-1]
+    assert last.p2p_s == pytest.approx(send)  # waits once for the first activation, later ones arrive in time
+    for st in run.ranks:
+        assert st.compute_s + st.bubble_s + st.p2p_s + sum(st.exposed.values()) == pytest.approx(st.compute_free)

@@ -1,0 +1,111 @@
+"""simulate() end to end on small models: properties a correct step must have."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from topomesh.cost.cluster import load_cluster
+from topomesh.errors import LayoutError
+from topomesh.layout.dims import Layout
+from topomesh.models.presets import get_preset
+from topomesh.models.transformer import Arch, TransformerConfig
+from topomesh.sim.simulate import (
+    Simulator,
+    Training,
+    builtin_model,
+    check_model_layout,
+    split_layers,
+)
+
+# 16 heads so that tp=16 divides them; wide enough that tensor parallel moves real bytes
+WIDE = TransformerConfig(name="wide-test", arch=Arch.LLAMA, n_layers=4, hidden=2048, n_heads=16, n_kv_heads=16,
+                         ffn_hidden=5632, vocab_size=32000, seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def wide16() -> Simulator:
+    return Simulator(model=builtin_model(WIDE), cluster=load_cluster("dgx-h100", gpus=16))
+
+
+def test_breakdown_accounts_for_every_second(wide16):
+    for layout, training in [
+        (Layout(tp=8, dp_shard=2), Training(global_batch=4)),
+        (Layout(tp=4, pp=2, dp_shard=2), Training(global_batch=16)),
+        (Layout(dp_shard=16), Training(global_batch=16, recompute="full")),
+    ]:
+        r = wide16.simulate(layout, training)
+        assert r.breakdown.total_s == pytest.approx(r.step_time_s, rel=1e-9)
+        assert r.step_time_s > 0 and 0 < r.mfu <= r.hfu + 1e-12 < 1
+
+
+def test_tp_that_outgrows_a_node_crosses_ib_and_costs_more(wide16):
+    inside = wide16.simulate(Layout(tp=8, dp_shard=2), Training(global_batch=2))
+    across = wide16.simulate(Layout(tp=16), Training(global_batch=1))
+    assert inside.links["tp"]["link"] == "NVSwitch"
+    assert across.links["tp"]["link"] == "IB" and across.links["tp"]["nodes"] == 2
+    # per micro-batch the tp=16 rank moves 15/16 vs 7/8 of the same activations; over IB
+    # that must cost several times the NVSwitch time
+    assert across.breakdown.exposed_comm_s["tp"] > 3 * inside.breakdown.exposed_comm_s["tp"] / 2
+
+
+def test_recompute_trades_memory_for_time(wide16):
+    none = wide16.simulate(Layout(dp_shard=16), Training(global_batch=16, recompute="none"))
+    full = wide16.simulate(Layout(dp_shard=16), Training(global_batch=16, recompute="full"))
+    # full recompute keeps 2·s·b·h per block instead of every block activation; the head's
+    # logits (kept either way) dominate what is left
+    blocks_kept = 4 * 2 * WIDE.seq_len * WIDE.hidden
+    assert full.memory[0].activations_bytes < none.memory[0].activations_bytes / 3
+    assert none.memory[0].activations_bytes - full.memory[0].activations_bytes > 10 * blocks_kept
+    assert full.step_time_s > none.step_time_s
+    assert full.hfu > full.mfu  # recomputed forward counts as hardware FLOPs only
+
+
+def test_fsdp_gathers_hide_behind_compute_when_compute_is_longer():
+    # one node of DGX H100: 8-way FSDP over NVSwitch. Each block's gather runs under the
+    # previous block's compute, so the exposed dp_shard time is far below the gathers' total.
+    sim = Simulator(model=builtin_model(WIDE), cluster=load_cluster("dgx-h100", gpus=8))
+    r = sim.simulate(Layout(dp_shard=8), Training(global_batch=64, micro_batch=8))
+    exposed = r.breakdown.exposed_comm_s.get("dp_shard", 0.0)
+    assert exposed < 0.2 * r.breakdown.compute_s
+
+
+def test_a_layout_over_capacity_is_infeasible_with_the_numbers():
+    cfg = get_preset("llama3-70b")
+    sim = Simulator(model=builtin_model(cfg, seq_len=1024), cluster=load_cluster("dgx-h100", gpus=8))
+    r = sim.simulate(Layout(dp_shard=8), Training(global_batch=8))
+    # FSDP2 mixed precision: float32 weights (4 B), gradients (4 B) and two Adam moments
+    # (8 B) per parameter, sharded 8 ways: 70.6e9 × 16 / 8 = 141 GB per GPU > 80 GB
+    assert not r.feasible
+    assert "memory" in r.reason and "80.0 GB" in r.reason
+    state = r.memory[0].params_bytes + r.memory[0].grads_bytes + r.memory[0].optimizer_bytes
+    assert state == pytest.approx(70.6e9 * 16 / 8, rel=0.02)
+
+
+def test_pipeline_stages_hold_their_share_of_layers(wide16):
+    r = wide16.simulate(Layout(pp=4, tp=4), Training(global_batch=8))
+    assert [m.in_flight for m in r.memory] == [4, 3, 2, 1]  # 1F1B warm-up depth per rank
+    assert r.breakdown.bubble_s > 0 and r.layout["schedule"] == "1f1b"
+    assert split_layers(4, 4) == [1, 1, 1, 1]
+
+
+def test_bad_inputs_are_layout_errors(wide16):
+    with pytest.raises(LayoutError, match="tp=3 does not divide the 16 attention heads"):
+        check_model_layout(WIDE, Layout(tp=3), Training(global_batch=1))
+    with pytest.raises(LayoutError, match="has 8 ranks, cluster dgx-h100 has 16"):
+        wide16.simulate(Layout(tp=8), Training(global_batch=1))
+    with pytest.raises(LayoutError, match="global batch 3 does not divide"):
+        wide16.simulate(Layout(dp_shard=16), Training(global_batch=3))
+    with pytest.raises(LayoutError, match="8 pipeline stages"):
+        wide16.simulate(Layout(pp=8, dp_shard=2), Training(global_batch=16))
+    with pytest.raises(LayoutError, match="ep=2 needs a mixture-of-experts model"):
+        wide16.simulate(Layout(ep=2, dp_shard=8), Training(global_batch=8))
+
+
+def test_timeline_is_a_chrome_trace(wide16):
+    r = wide16.simulate(Layout(pp=2, tp=8), Training(global_batch=4), record=True)
+    doc = json.loads(json.dumps(r.timeline))
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(r.step_time_s * 1e6, rel=1e-6)
