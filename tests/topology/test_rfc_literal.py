@@ -58,6 +58,7 @@ def test_every_latency_unit(value, unit, want_us):
         ("1500", "MB/s", 1.5),  # 1500e6 B/s
         ("0.9", "TB/s", 900.0),  # 0.9e12 B/s
         ("200", "Gb/s", 25.0),  # 200 Gbit/s / 8 = 25 GB/s (an HDR port)
+        ("200", "Gb/sec", 25.0),  # bits, as /sys/class/infiniband/*/ports/*/rate writes it (was read as bytes)
         ("400", "Gbit/s", 50.0),  # NDR: 400 / 8
         ("400", "gbit/s", 50.0),
         ("100", "Gbps", 12.5),  # bits: NCCL's NET_BW of 12 GB/s is about this line rate

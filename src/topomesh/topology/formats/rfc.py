@@ -17,7 +17,8 @@ the top. Readers that know only the RFC ignore them.
 
 The reader accepts both published variants (``channels.value`` without ``type``, and
 ``channels.count`` with it), numbers where strings are expected, and the units ``ns``,
-``us``, ``ms``, ``s`` and ``GB/s``, ``GiB/s``, ``MB/s``, ``Gb/s``, ``Mb/s``. A pair may be
+``us``, ``ms``, ``s`` and ``GB/s``, ``GiB/s``, ``MB/s``, ``Gb/s`` (also ``Gb/sec``, bits as
+InfiniBand's sysfs writes them), ``Mb/s``. A pair may be
 listed in one direction or both; listed in both, the two must describe the same
 connection (topomesh's model, like NCCL's, has one connection per pair), else the file is
 refused naming both places. Rank keys are decimal digits exactly; ``world_size``,
@@ -61,7 +62,7 @@ _BANDWIDTH_TO_GBPS = {
     "gbit/s": 1 / 8,
     "gb/sec": 1.0,
 }
-_BITS = {"Gb/s": 1 / 8, "Gbit/s": 1 / 8, "Mb/s": 1e-3 / 8, "Gbps": 1 / 8}
+_BITS = {"Gb/s": 1 / 8, "Gb/sec": 1 / 8, "Gbit/s": 1 / 8, "Mb/s": 1e-3 / 8, "Gbps": 1 / 8}  # sysfs IB: "200 Gb/sec"
 MAX_INT = 2**31 - 1
 """Largest whole number accepted in an integer field (restart counts, channels, local ranks):
 bigger values are damage, and would make over-long file names or overflow arithmetic."""
