@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from topomesh.errors import TopomeshError
+from topomesh.report.text import printable
 
 # Subcommands in the order `topomesh --help` lists them.
 COMMANDS = ("discover", "show", "launch", "layout", "trace", "profile", "calibrate", "simulate")
@@ -89,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except TopomeshError as exc:
         with contextlib.suppress(BrokenPipeError):  # stderr a closed pipe: the exit code still says it failed
-            print(f"topomesh: error: {exc}", file=sys.stderr)
+            print(f"topomesh: error: {printable(exc)}", file=sys.stderr)  # names from files are not terminal codes
         return 2
     except KeyboardInterrupt:
         print("topomesh: interrupted", file=sys.stderr)

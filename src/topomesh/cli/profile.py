@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from topomesh.report.text import printable
 
     console = Console()
     if run_ is not None:
@@ -147,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
         for col in ("op", "count", "roofline ms", "reason"):
             table.add_column(col)
         for u in summary.unknown:
-            table.add_row(u.op, str(u.count), f"{u.roofline_s * 1e3:.4f}", u.reason)
+            table.add_row(*(Text(printable(c)) for c in (u.op, str(u.count), f"{u.roofline_s * 1e3:.4f}", u.reason)))
         console.print(table)
     for op, why in (run_.failed if run_ else {}).items():
-        print(f"could not profile {op}: {why}", file=sys.stderr)
+        print(f"could not profile {printable(op)}: {printable(why)}", file=sys.stderr)
     return 0

@@ -51,12 +51,13 @@ def emit(topo: Topology, args: argparse.Namespace, form: str = "auto") -> None:
         return
     from rich.console import Console
 
+    from topomesh.report.text import printable
     from topomesh.report.topology import topology_report
 
     console = Console()
     console.print(topology_report(topo, matrix=args.matrix))
     if args.png:
-        console.print(f"drawn to {args.png}")
+        console.print(f"drawn to {printable(args.png)}", markup=False, highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:

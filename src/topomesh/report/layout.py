@@ -21,6 +21,7 @@ from rich.text import Text
 
 from topomesh.layout.dims import Layout
 from topomesh.layout.place import AxisReport, Placement, Strategy, axis_report, place
+from topomesh.report.text import printable
 from topomesh.topology.model import Topology
 
 MAX_HOST_ROWS = 32
@@ -100,12 +101,12 @@ def placement_table(topo: Topology, placement: Placement) -> Table:
         ranks = by_host[h]
         coords = {r: placement.coords(r) for r in ranks}
         width = max([len(str(r)) for r in ranks] + [1])
-        devices = [topo.ranks[r].device or "-" for r in ranks]
+        devices = [printable(topo.ranks[r].device or "-") for r in ranks]
         width = max([width] + [len(_short(d)) for d in devices])
         cells = [" ".join(str(r).rjust(width) for r in ranks), " ".join(_short(d).rjust(width) for d in devices)]
         for axis in layout.mesh_axes:
             cells.append(" ".join(str(coords[r][axis]).rjust(width) for r in ranks))
-        table.add_row(topo.hosts[h].hostname, *cells)
+        table.add_row(*(Text(printable(c)) for c in (topo.hosts[h].hostname, *cells)))  # names are not markup
     if len(topo.hosts) > MAX_HOST_ROWS:
         table.add_row(f"… {len(topo.hosts) - MAX_HOST_ROWS} more hosts", "", "", *["" for _ in layout.mesh_axes])
     return table
@@ -136,5 +137,5 @@ def render_layout(topo: Topology, layout: Layout, strategy: Strategy | str = Str
     reports = axis_report(topo, placement)
     naive = axis_report(topo, place(topo, layout, Strategy.RANK_ORDER))
     parts: list[RenderableType] = [placement_table(topo, placement), axis_table(reports, placement, naive)]
-    parts.extend(Text(f"note: {r.note}", style="yellow") for r in reports if r.note)
+    parts.extend(Text(f"note: {printable(r.note)}", style="yellow") for r in reports if r.note)
     return Group(*parts)

@@ -19,6 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from topomesh.report.text import printable
 from topomesh.topology.model import Connection, DeviceKind, Host, LinkKind, Nic, NicKind, Topology
 
 KIND_COLORS = MappingProxyType(
@@ -92,8 +93,9 @@ def rank_ranges(ranks: Iterable[int]) -> str:
 
 
 def _add_plain_row(table: Table, *cells: str) -> None:
-    """Add a row of plain text: names from files (``[bold]``, ``[/]``) are not rich markup."""
-    table.add_row(*(Text(c) for c in cells))
+    """Add a row of plain text: names from files (``[bold]``, ``[/]``) are not rich markup,
+    and their control characters are shown escaped (:func:`~topomesh.report.text.printable`)."""
+    table.add_row(*(Text(printable(c)) for c in cells))
 
 
 def _gbps(x: float | None) -> str:
@@ -173,7 +175,7 @@ def _matrix_ranks(topo: Topology, max_ranks: int) -> tuple[list[int], str | None
         return list(range(topo.world_size)), None
     first = next((g for g in topo.ranks_by_host() if g), [])[:max_ranks]
     host = topo.hosts[topo.ranks[first[0]].host].hostname if first else "-"
-    note = f"ranks {rank_ranges(first)} of {topo.world_size} (host {host})"
+    note = f"ranks {rank_ranges(first)} of {topo.world_size} (host {printable(host)})"
     return first, note + ("; other hosts below" if len(topo.hosts) > 1 else "")
 
 
@@ -276,7 +278,7 @@ def topology_report(topo: Topology, *, matrix: bool = True) -> Group:
     """Everything above, in reading order."""
     parts: list[RenderableType] = []
     if topo.source:
-        parts.append(Text(f"source: {topo.source}", style="bold"))
+        parts.append(Text(f"source: {printable(topo.source)}", style="bold"))
     parts += [hosts_table(topo), ranks_table(topo)]
     if matrix and topo.world_size:
         parts.append(rank_matrix(topo))
