@@ -19,7 +19,9 @@ import hashlib
 import json
 import os
 import platform
+import re
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -29,6 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 from topomesh.errors import CalibrationError
+from topomesh.privdir import private_directory
 from topomesh.topology.api import write_atomic
 from topomesh.topology.model import DeviceKind
 
@@ -159,6 +162,17 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "topomesh"
 
 
+def private_cache_dir(*parts: str, root: Path | None = None) -> Path:
+    """``root`` (default :func:`cache_dir`) joined with ``parts``, each level created 0700 and
+    checked to be this user's alone (:func:`topomesh.privdir.private_directory`); a level that
+    is not raises :class:`CalibrationError` saying which and why."""
+    path = root or cache_dir()
+    private_directory(path, what="topomesh cache directory", error=CalibrationError)
+    for part in parts:
+        path = private_directory(path / part, what="topomesh cache directory", error=CalibrationError)
+    return path
+
+
 def cpu_model_name(cpuinfo: str | None = None) -> str:
     """The CPU model from ``/proc/cpuinfo`` (``model name``), else ``platform.processor()``."""
     if cpuinfo is None:
@@ -185,12 +199,28 @@ def cuda_fingerprint(index: int = 0) -> str:
     return torch.cuda.get_device_name(index)
 
 
+_DEVICE = re.compile(r"cpu|cuda(?::([0-9]{1,4}))?")
+
+
 def device_fingerprint(device: str = "cpu") -> str:
-    """Fingerprint of a torch device: the CUDA device name, or :func:`cpu_fingerprint`."""
-    if device.startswith("cuda"):
-        index = int(device.split(":")[1]) if ":" in device else 0
-        return cuda_fingerprint(index)
-    return cpu_fingerprint()
+    """Fingerprint of a torch device: the CUDA device name, or :func:`cpu_fingerprint`.
+
+    Only ``cpu``, ``cuda`` and ``cuda:<index>`` of a device this machine has are accepted:
+    anything else raises :class:`CalibrationError` (it must not be taken for this CPU, whose
+    table it would fill with failures).
+    """
+    m = _DEVICE.fullmatch(device)
+    if m is None:
+        raise CalibrationError(f"device {device[:80]!r} is not cpu, cuda or cuda:<index>; refusing to profile it")
+    if device == "cpu":
+        return cpu_fingerprint()
+    import torch
+
+    index = int(m.group(1) or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        raise CalibrationError(f"device {device!r} is not on this machine (it has {count} CUDA devices)")
+    return cuda_fingerprint(index)
 
 
 def mem_total_bytes(meminfo: str | None = None) -> int:
@@ -295,9 +325,9 @@ def measure_cpu(*, matmul_n: int = 512, copy_bytes: int = 64 * 2**20, budget_s: 
     )
 
 
-def _cpu_cache_path(directory: Path) -> Path:
+def _cpu_cache_path(devices_dir: Path) -> Path:
     digest = hashlib.sha1(cpu_fingerprint().encode()).hexdigest()[:12]
-    return directory / "devices" / f"cpu-{digest}.json"
+    return devices_dir / f"cpu-{digest}.json"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -312,8 +342,12 @@ def cpu_spec(*, directory: Path | None = None, refresh: bool = False, **measure:
     The cache file is keyed by :func:`cpu_fingerprint`; ``refresh=True`` re-measures;
     ``measure`` goes to :func:`measure_cpu` (sizes, time budget).
     """
-    path = _cpu_cache_path(directory or cache_dir())
-    if not refresh and path.is_file():
+    try:
+        path: Path | None = _cpu_cache_path(private_cache_dir("devices", root=directory))
+    except CalibrationError as exc:
+        warnings.warn(f"{exc}; measuring this CPU without caching the result", RuntimeWarning, stacklevel=2)
+        path = None
+    if not refresh and path is not None and path.is_file():
         try:
             raw = json.loads(path.read_text())
             if raw.get("sources", {}).get("method_version") == str(CPU_SPEC_VERSION):
@@ -321,7 +355,8 @@ def cpu_spec(*, directory: Path | None = None, refresh: bool = False, **measure:
         except (OSError, json.JSONDecodeError, CalibrationError):
             pass  # unreadable cache: measure again and overwrite it
     spec = measure_cpu(**measure)
-    write_json_atomic(path, spec.to_dict())
+    if path is not None:
+        write_json_atomic(path, spec.to_dict())
     return spec
 
 
