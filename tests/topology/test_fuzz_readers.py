@@ -37,7 +37,7 @@ from topomesh.topology.model import Connection, Host, Topology
 from .helpers import cpu_host, dgx_host, pcie_host
 
 TESTS = Path(__file__).resolve().parents[1]
-SHARED = TESTS.parent.parent / "shared" / "data" / "real"
+REAL = TESTS.parent / "examples" / "data" / "real"  # the real dumps ship in the repo: a plain clone has them
 INPUTS = TESTS / "fixtures" / "inputs"
 
 _EXAMPLES = int(os.environ.get("TOPOMESH_FUZZ_EXAMPLES", "0"))
@@ -70,20 +70,39 @@ DENSE_DOCS = [json.loads(api.dumps(t, "dense")) for t in WORLDS] + [
 COMPACT_DOCS = [json.loads(api.dumps(t, "compact")) for t in WORLDS]
 HOST_DOCS = [h.to_dict() for t in WORLDS for h in t.hosts]
 TEXTS = (
-    [p.read_text() for p in sorted(SHARED.glob("*/*")) if p.suffix in (".xml", ".txt")]
+    [p.read_text() for p in sorted(REAL.glob("*/*")) if p.suffix in (".xml", ".txt")]
     + [p.read_text() for p in sorted(INPUTS.glob("*.*"))]
     + [api.dumps(t, form) for t in WORLDS[:2] for form in ("dense", "compact")]
 )
+
+
+
+def test_real_dumps_are_among_the_seeds() -> None:
+    """The seeds once came from a path outside the repo, and a plain clone fuzzed none of
+    the real dumps without saying so: fail instead if they are missing."""
+    names = sorted(p.name for p in REAL.glob("*/*") if p.suffix in (".xml", ".txt"))
+    assert names == [
+        "a100-sxm-8gpu-nvswitch-5nic.xml",
+        "azure-ndv5-h100-pci-only.xml",
+        "h100-sxm-8gpu-12nic.txt",
+    ]
+    assert all((REAL / sub / name).read_text() in TEXTS for sub in ("nccl-topo", "nvidia-smi-topo") for name in names
+               if (REAL / sub / name).exists())
+
 
 # values that broke readers elsewhere: wrong types, edge numbers, lookalike names
 _ODD = st.sampled_from(
     ["", "-1", "0", "1e400", "NaN", "inf", "-0", "0x10", "GPU0", "GPU99", "NIC0", "X", "NV0", "NV18",
      "PCIe", "IB", "SYS", "LOC", "0.1", "1.5", "us", "GB/s", "ms", "Mb/s", "null", "host0", "a", "b",
-     "9" * 25, "1" + "0" * 400, "[bold]", "[/]", "$\\frac{$"]
+     "9" * 25, "1" + "0" * 400, "[bold]", "[/]", "$\\frac{$",
+     # the issue's accepted-but-wrong values: a trailing newline, signs, leading zeros,
+     # other scripts' digits, underscores, fractions, negatives, 5,000 digits
+     "1\n", "0\n", "01", "+4", "٤", "4_0", "8.7", "-1", "Infinity", "9" * 5000]
 )
+_HOSTILE_NUMBERS = st.sampled_from([8.7, -1, -0.5, 10**400, 2**31, 2**63, float("inf"), float("nan"), 1e308])
 _SCALARS = (
     st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=6) | _ODD
+    | st.text(max_size=6) | _ODD | _HOSTILE_NUMBERS
 )
 _JSON = st.recursive(
     _SCALARS,
@@ -374,3 +393,60 @@ except TopologyError as exc:
 def test_rfc_huge_rank_key_is_a_topology_error() -> None:
     proc = subprocess.run([sys.executable, "-c", _HUGE_RANK], capture_output=True, text=True, timeout=120, check=False)
     assert proc.stdout.startswith("TopologyError"), proc.stderr[-300:]
+
+
+def _depth(value: Any) -> int:
+    """Nesting of arrays and objects, counted on the Python value (not on the text)."""
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+def _numbers(value: Any) -> list[int | float]:
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    return [value] if isinstance(value, int | float) and not isinstance(value, bool) else []
+
+
+def _breaks_a_rule(value: Any, wrap: int) -> bool:
+    """Whether ``loads_bounded`` must refuse ``value`` inside ``wrap`` arrays, from the
+    limits' definitions: depth > 64, an integer of more than 40 digits, NaN/Infinity, or a
+    double whose shortest form (``repr``, what json.dumps writes) has a 3-digit exponent."""
+    if _depth(value) + wrap > api.MAX_JSON_DEPTH:
+        return True
+    for n in _numbers(value):
+        if isinstance(n, int) and len(str(abs(n))) > api.MAX_NUMBER_CHARS:
+            return True
+        if isinstance(n, float) and (n != n or n in (float("inf"), float("-inf"))):
+            return True
+        if isinstance(n, float) and "e" in repr(n) and len(repr(n).split("e")[1].lstrip("+-")) >= 3:
+            return True
+    return False
+
+
+_BIG_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**45), 10**45) | st.floats() | st.text(alphabet="[]{}\\\"a0e", max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet="[]{}\"ab", max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@_settings(600)
+@given(value=_BIG_JSON, wrap=st.integers(0, 80), numbers=st.lists(st.integers(0, 10**60) | st.sampled_from([10**40 - 1, 10**40, -(10**40)]), max_size=2))
+def test_loads_bounded_agrees_with_json_or_refuses_by_rule(value: Any, wrap: int, numbers: list[int]) -> None:
+    """Accepted text parses exactly as ``json.loads`` parses it; refused text broke one of
+    the rules (checked on the value, independently of the scan over the text)."""
+    value = [value, *numbers]
+    text = "[" * wrap + json.dumps(value) + "]" * wrap
+    must_refuse = _breaks_a_rule(value, wrap)
+    try:
+        got = api.loads_bounded(text, source="prop")
+    except TopologyError as exc:
+        assert must_refuse, f"refused a valid document: {exc}"
+        return
+    assert not must_refuse, "accepted a document that breaks a limit"
+    assert json.dumps(got) == json.dumps(json.loads(text))
