@@ -23,7 +23,7 @@ import torch
 from topomesh.cost.cluster import AxisLink, Cluster, axis_link
 from topomesh.errors import LayoutError
 from topomesh.layout.dims import Axis, Layout
-from topomesh.layout.place import place
+from topomesh.layout.place import Placement, Strategy, place
 from topomesh.sim.engine import EngineResult, Piece, StagePlan, simulate_pipeline
 from topomesh.sim.price import PricedClass, Pricer, Work, collective_axes, price_trace
 from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
@@ -130,7 +130,7 @@ def split_layers(n_layers: int, stages: int) -> list[int]:
     if stages > n_layers:
         raise LayoutError(f"{stages} pipeline stages need at least as many layers, the model has {n_layers}.")
     base, extra = divmod(n_layers, stages)
-    return [base + (1 if s < extra else 0) for s in range(stages)]
+    return [base for s in range(stages)]
 
 
 @dataclass(slots=True)
@@ -163,6 +163,29 @@ class SimMemo:
     priced: dict = field(default_factory=dict)
     flops: dict = field(default_factory=dict)
     axes: dict = field(default_factory=dict)
+    ranks: dict = field(default_factory=dict)
+    """The topology placement's rank list per cluster (:func:`topomesh.layout.place.locality_order`
+    depends only on the topology, not on the layout)."""
+    links: dict = field(default_factory=dict)
+    """:class:`AxisLink` per (cluster, link name, :func:`link_key`)."""
+
+
+def link_key(layout: Layout, axes: tuple[Axis, ...]) -> tuple[tuple[int, int], ...]:
+    """What :func:`~topomesh.cost.cluster.axis_link` of ``axes`` depends on besides the cluster and
+    the placement's rank list: the (stride, size) of each of ``axes`` in the logical grid, in
+    ``layout.order``. Exact: the first group of the axes is ``Σ stride·i`` over them; the last is
+    offset by ``Σ (size-1)·stride`` over the others, which is ``world - 1 - Σ (size-1)·stride``
+    over them; one group covers the world exactly when their sizes multiply to it.
+
+    >>> link_key(Layout(tp=2, pp=4, dp_shard=2, order="tp-dp_shard-pp"), (Axis.PP,))
+    ((4, 4),)
+    """
+    out, stride = [], 1
+    for a, size in zip(layout.order, layout.sizes, strict=True):
+        if a in axes:
+            out.append((stride, size))
+        stride *= size
+    return tuple(out)
 
 
 def mixed_precision(layout: Layout, training: Training) -> bool:
@@ -199,7 +222,10 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     pp = layout.degree(Axis.PP)
     if trace is None:
         trace = trace_layout(model, layout, training, cache)
-    placement = place(cluster.topology, layout)
+    memo = memo or SimMemo()
+    if id(cluster) not in memo.ranks:  # the cluster is kept with its ranks, so its id stays its own
+        memo.ranks[id(cluster)] = (cluster, place(cluster.topology, layout).ranks)
+    placement = Placement(layout=layout, ranks=memo.ranks[id(cluster)][1], strategy=Strategy.TOPOLOGY)
     links: dict[str, AxisLink] = {}
 
     def link_of(name: str) -> AxisLink:
@@ -207,10 +233,12 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             axes = [a for a in name.split("+") if a]
             if not axes or any(a not in Axis.__members__.values() for a in axes):
                 axes = [max(layout.mesh_axes, key=layout.degree).value]  # unknown group: the largest axis
-            links[name] = axis_link(cluster, placement, axes)
+            key = (id(cluster), "+".join(axes), link_key(layout, tuple(Axis(a) for a in axes)))
+            if key not in memo.links:
+                memo.links[key] = axis_link(cluster, placement, axes)
+            links[name] = memo.links[key]
         return links[name]
 
-    memo = memo or SimMemo()
     axes = memo.axes.get(id(trace.segments))
     if axes is None:
         axes = memo.axes[id(trace.segments)] = (trace.segments, collective_axes(trace))
