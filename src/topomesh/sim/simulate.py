@@ -130,7 +130,7 @@ def split_layers(n_layers: int, stages: int) -> list[int]:
     if stages > n_layers:
         raise LayoutError(f"{stages} pipeline stages need at least as many layers, the model has {n_layers}.")
     base, extra = divmod(n_layers, stages)
-    return [base for s in range(stages)]
+    return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
 @dataclass(slots=True)
