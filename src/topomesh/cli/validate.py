@@ -1,0 +1,166 @@
+"""``topomesh validate``: run layouts for real on this machine and compare them with the
+simulator's predictions on the ``local`` cluster.
+
+Examples::
+
+    topomesh validate --model benchmarks/validate_llama.json
+    topomesh validate --model tiny-llama --seq-len 256 --layouts dp_shard=2 --layouts tp=2 --json
+    topomesh validate --model benchmarks/validate_llama.json --png validate.png
+
+Calibrates what it needs once (the gloo collective profile with ``topomesh calibrate``,
+the ops of the layouts' traces with ``topomesh profile``'s :func:`~topomesh.cost.ops.profile_ops`,
+at ``--threads`` threads), predicts each layout, runs it (``topomesh launch --standalone``,
+``--warmup`` steps discarded, the median of ``--steps`` timed steps, peak memory from the
+profiler's allocation records) and prints predicted, measured and error per layout, the
+mean and max absolute error and whether the predicted fastest is the measured fastest
+(:mod:`topomesh.validate.run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+HELP = "Run layouts for real here (gloo, CPU) and compare step time and memory with the simulator's predictions."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from topomesh.sim.inputs import add_model_arguments, add_training_arguments
+    from topomesh.validate.run import DEFAULT_LAYOUTS
+
+    add_model_arguments(p)
+    add_training_arguments(p)
+    p.add_argument("--layouts", action="append", default=None, metavar="AXIS=N,...",
+                   help=f"a layout to run (repeatable; its world is the product of the degrees); "
+                        f"default: {' | '.join(DEFAULT_LAYOUTS)}")
+    p.add_argument("--steps", type=int, default=8, metavar="N", help="timed steps per layout, median taken (default 8)")
+    p.add_argument("--warmup", type=int, default=2, metavar="N", help="steps discarded first (default 2, at least 2)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch threads per process, in the runs and in the op table (default 1)")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.add_argument("--png", default=None, metavar="FILE", help="predicted against measured step time, one point per layout")
+
+
+def _layouts(texts: list[str]) -> list[tuple[str, object]]:
+    from topomesh.layout.dims import Layout, parse_degrees
+
+    out = []
+    for text in texts:
+        out.append((text, Layout.from_degrees(parse_degrees(text))))
+    return out
+
+
+def _global_batch(args: argparse.Namespace, layouts: list[tuple[str, object]]) -> int:
+    """The same global batch for every layout (so their step times compare): ``--global-batch``,
+    else 2 × micro-batch × the least common multiple of the data-parallel degrees."""
+    from topomesh.layout.dims import Axis
+
+    if args.global_batch is not None:
+        return args.global_batch
+    dp = math.lcm(*(lay.degree(Axis.DP_REPLICATE) * lay.degree(Axis.DP_SHARD) for _, lay in layouts))
+    return 2 * args.micro_batch * dp
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from topomesh.cost.cluster import local_cluster
+    from topomesh.errors import LayoutError
+    from topomesh.sim.inputs import load_model
+    from topomesh.sim.schedules import Schedule
+    from topomesh.sim.simulate import Simulator, Training
+    from topomesh.trace.cache import TraceCache, default_directory
+    from topomesh.trace.graph import OpRecord
+    from topomesh.validate.run import (
+        DEFAULT_LAYOUTS,
+        compare,
+        ensure_collectives,
+        ensure_ops,
+        layout_result,
+        measure,
+    )
+
+    for name in ("steps", "threads"):
+        if getattr(args, name) < 1:
+            raise LayoutError(f"--{name} must be a positive integer, got {getattr(args, name)}.")
+    if args.warmup < 2:
+        raise LayoutError(f"--warmup must be at least 2 (the first step is not a steady one), got {args.warmup}.")
+    torch.set_num_threads(args.threads)  # the op table and the CPU spec are keyed by it
+    model = load_model(args.model, seq_len=args.seq_len)
+    if model.config is None:
+        raise LayoutError(f"--model {args.model}: validate runs built-in transformer configs (a preset or a .json).")
+    layouts = _layouts(args.layouts or list(DEFAULT_LAYOUTS))
+    gb = _global_batch(args, layouts)
+    training = Training(global_batch=gb, micro_batch=args.micro_batch, seq_len=args.seq_len or model.seq_len,
+                        dtype=args.dtype, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                        schedule=Schedule(args.schedule), interleave=args.interleave,
+                        mixed_precision=args.mixed_precision)
+    err = Console(stderr=True)
+    cache = TraceCache(default_directory())
+    worlds = sorted({lay.world_size for _, lay in layouts})
+    with err.status("collective profile (calibrated once, then reused)"):
+        ensure_collectives(max(worlds))
+    sims = {w: Simulator(model=model, cluster=local_cluster(gpus=w), cache=cache) for w in worlds}
+    records: list[OpRecord] = []
+    for text, lay in layouts:
+        with err.status(f"tracing {model.spec.name} under {text}"):
+            trace = sims[lay.world_size].trace(lay, training)
+        full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+        records += [e for e in full.events() if isinstance(e, OpRecord)]
+    with err.status("op table (ops not yet measured at this thread count)") as status:
+        table = ensure_ops(records, progress=lambda d, n, op: status.update(f"profiling ops {d}/{n}: {op}"))
+    results = []
+    for text, lay in layouts:
+        sim = sims[lay.world_size]
+        sim.table = table
+        predicted = sim.simulate(lay, training)
+        with err.status(f"running {text} for real ({lay.world_size} processes, {args.steps} steps)"):
+            record = measure(args.model, args.seq_len, lay, training, steps=args.steps, warmup=args.warmup,
+                             threads=args.threads)
+        results.append(layout_result(text, predicted, record))
+    report = compare(results)
+    report.update({"model": model.spec.name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
+                   "warmup": args.warmup, "cpus": len(_affinity()),
+                   "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
+                                     max(x for r in results for x in r.loadavg or (0,))]})
+    if args.png:
+        from topomesh.validate.plot import save_validation_png
+
+        save_validation_png(results, args.png)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    _print(report)
+    return 0
+
+
+def _affinity() -> set[int]:
+    import os
+
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def _print(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report['model']}: predicted (local cluster) vs measured, global batch "
+                        f"{report['global_batch']}, {report['threads']} thread(s) per process")
+    for col in ("layout", "ranks", "predicted ms", "measured ms", "error", "pred. peak MB", "meas. peak MB",
+                "mem error", "load"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for r in report["layouts"]:
+        table.add_row(r["layout"], str(r["world_size"]), f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
+                      f"{r['error'] * 100:+.1f}%", f"{r['predicted_peak_bytes'] / 1e6:.1f}",
+                      f"{r['measured_peak_bytes'] / 1e6:.1f}", f"{r['memory_error'] * 100:+.1f}%",
+                      "/".join(f"{x:.1f}" for x in r["loadavg"]))
+    console = Console()
+    console.print(table)
+    console.print(f"step time: mean |error| {report['mean_abs_error'] * 100:.1f}%, max {report['max_abs_error'] * 100:.1f}%; "
+                  f"fastest predicted {report['fastest_predicted']}, measured {report['fastest_measured']} "
+                  f"({'agree' if report['fastest_correct'] else 'DISAGREE'}); peak memory max |error| "
+                  f"{report['max_abs_memory_error'] * 100:.1f}%", highlight=False)

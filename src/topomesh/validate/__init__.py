@@ -1,0 +1,1 @@
+"""Validation of the simulator against real runs on this machine (``topomesh validate``)."""

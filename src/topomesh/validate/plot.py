@@ -1,0 +1,54 @@
+"""The validation picture: predicted against measured step time, one point per layout,
+the diagonal (a perfect prediction) drawn."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from topomesh.errors import OutputError, TopomeshError
+
+
+def draw_validation(results: Sequence[Any]) -> Any:
+    """A matplotlib figure of :class:`~topomesh.validate.run.LayoutResult` points (ms)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TopomeshError("--png needs matplotlib, which is not installed: pip install 'topomesh[plot]'") from None
+    fig, ax = plt.subplots(figsize=(5.5, 5.0))
+    xs = [r.measured_s * 1e3 for r in results]
+    ys = [r.predicted_s * 1e3 for r in results]
+    hi = max(xs + ys) * 1.1
+    ax.plot([0, hi], [0, hi], color="grey", linestyle="--", linewidth=1, label="predicted = measured")
+    ax.scatter(xs, ys, color="tab:blue", zorder=3)
+    for r, x, y in zip(results, xs, ys, strict=True):
+        ax.annotate(f"{r.layout} ({r.error * 100:+.1f}%)", (x, y), textcoords="offset points", xytext=(5, -10),
+                    fontsize=8)
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_xlabel("measured step time (ms, median)")
+    ax.set_ylabel("predicted step time (ms, local cluster)")
+    ax.set_title("topomesh validate")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def save_validation_png(results: Sequence[Any], path: str | os.PathLike[str]) -> None:
+    """Draw ``results`` and write the PNG through the one writer (refuses devices, FIFOs)."""
+    from topomesh.topology.api import write_atomic
+
+    fig = draw_validation(results)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    try:
+        write_atomic(path, buf.getvalue())
+    except OutputError:
+        raise
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write the validation picture ({exc.strerror or exc}).") from None

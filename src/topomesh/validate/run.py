@@ -1,0 +1,193 @@
+"""``topomesh validate``: predict layouts on the ``local`` cluster, run them for real, compare.
+
+For each layout: the simulator's step time and peak memory on the ``local`` cluster
+(:func:`~topomesh.cost.cluster.local_cluster`: this CPU's spec, its gloo collective
+profile, its measured op table), then a real run of the same model, layout and knobs
+(:mod:`topomesh.validate.worker` on ``N`` processes started by ``topomesh launch
+--standalone``), measured as that module says. Calibration happens once and is reused:
+
+* collectives: the newest gloo profile ``topomesh calibrate`` saved for this host, or a
+  fresh ``calibrate --local N`` sweep (N the largest world of the layouts) when there is
+  none or the saved one measured fewer ranks;
+* ops: every distinct op of the layouts' traces not yet in the shared op-profile table for
+  this CPU at ``threads`` threads (:func:`~topomesh.cost.ops.profile_ops`), the same
+  fingerprint the prediction reads, so op times are measured under the thread count the
+  real runs use.
+
+:func:`compare` turns predictions and measurements into the report (relative errors, the
+means, whether the predicted fastest layout is the measured fastest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from topomesh.errors import LayoutError, TopomeshError
+
+DEFAULT_LAYOUTS = ("dp_shard=1", "dp_replicate=2", "dp_shard=2", "tp=2", "pp=2", "tp=2,dp_shard=2")
+"""One process; DDP-like replication (HSDP over a 1-wide shard), FSDP2, TP+SP, a two-stage
+pipeline (several micro-batches: the global batch over one data-parallel rank), and TP × FSDP2
+on four ranks."""
+
+
+class ValidateError(TopomeshError, RuntimeError):
+    """A real run of a layout failed or produced no measurement."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayoutResult:
+    """One layout: predicted and measured step time (s) and peak memory (bytes, max over ranks)."""
+
+    layout: str
+    predicted_s: float
+    measured_s: float
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    steps_s: tuple[float, ...] = ()
+    """Every timed step (s), slowest rank's."""
+    world_size: int = 1
+    microbatches: int = 1
+    loadavg: tuple[float, ...] = ()
+    """1-minute load average before and after the run."""
+    breakdown: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def error(self) -> float:
+        """(predicted − measured) / measured."""
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+    @property
+    def memory_error(self) -> float:
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / self.measured_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout, "world_size": self.world_size, "microbatches": self.microbatches,
+            "predicted_s": self.predicted_s, "measured_s": self.measured_s, "error": self.error,
+            "predicted_peak_bytes": self.predicted_peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
+            "memory_error": self.memory_error, "steps_s": list(self.steps_s), "loadavg": list(self.loadavg),
+            "breakdown": self.breakdown,
+        }
+
+
+def compare(results: Sequence[LayoutResult]) -> dict[str, Any]:
+    """The report: per layout, mean and max absolute step-time error, whether the layout
+    predicted fastest is the measured fastest, and the largest absolute memory error.
+
+    >>> r = [LayoutResult(layout="a", predicted_s=1.1, measured_s=1.0, predicted_peak_bytes=90,
+    ...                   measured_peak_bytes=100),
+    ...      LayoutResult(layout="b", predicted_s=0.5, measured_s=0.6, predicted_peak_bytes=50,
+    ...                   measured_peak_bytes=50)]
+    >>> out = compare(r)
+    >>> round(out["mean_abs_error"], 4), round(out["max_abs_error"], 4), out["fastest_correct"]
+    (0.1333, 0.1667, True)
+    >>> out["max_abs_memory_error"]
+    0.1
+    """
+    if not results:
+        raise LayoutError("validate needs at least one layout to compare.")
+    errors = [abs(r.error) for r in results]
+    predicted = min(results, key=lambda r: r.predicted_s)
+    measured = min(results, key=lambda r: r.measured_s)
+    return {
+        "layouts": [r.to_dict() for r in results],
+        "mean_abs_error": statistics.fmean(errors),
+        "max_abs_error": max(errors),
+        "fastest_predicted": predicted.layout,
+        "fastest_measured": measured.layout,
+        "fastest_correct": predicted.layout == measured.layout,
+        "max_abs_memory_error": max(abs(r.memory_error) for r in results),
+    }
+
+
+# ------------------------------------------------------------------ calibration
+
+
+def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
+    """The gloo profile of this host, calibrated now (``calibrate --local world``, sizes up to
+    64 MiB) when none is saved or the newest measured fewer ranks than ``world``."""
+    from topomesh.cost.calibrate import spawn_local
+    from topomesh.cost.cluster import local_profile
+    from topomesh.errors import ClusterError
+
+    try:
+        prof, path = local_profile()
+        if int(prof.meta.get("world_size", 0)) >= world:
+            return path
+    except ClusterError:
+        pass
+    argv = ["--collectives", "all_reduce,all_gather,reduce_scatter,send_recv", "--no-progress", "--backend", "gloo"]
+    result = spawn_local(max(2, world), argv, timeout_s=timeout_s)
+    return Path(result["profile"])
+
+
+def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """Profile the distinct ops of ``records`` not yet measured for this CPU at the current
+    thread count; returns the op table for that fingerprint."""
+    from topomesh.cost.devices import cpu_fingerprint
+    from topomesh.cost.opdb import OpProfileDB
+    from topomesh.cost.ops import profile_ops
+
+    fp = cpu_fingerprint()
+    with OpProfileDB() as db:
+        profile_ops(records, db, device="cpu", fingerprint=fp, progress=progress)
+        return db.table(fp)
+
+
+# ------------------------------------------------------------------ real runs
+
+
+def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, steps: int, warmup: int,
+            threads: int, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run ``layout`` for real (see :mod:`topomesh.validate.worker`); rank 0's record."""
+    import dataclasses
+
+    degrees = {a.value: layout.degree(a) for a in layout.order}
+    knobs = {f.name: getattr(training, f.name) for f in dataclasses.fields(training)}
+    knobs["schedule"] = training.schedule.value
+    spec = {"model": model, "seq_len": seq_len, "degrees": degrees, "order": layout.order_text(),
+            "threads": threads, "warmup": warmup, "steps": steps, "training": knobs}
+    with tempfile.TemporaryDirectory(prefix="topomesh-validate-") as tmp:
+        spec_file, out_file, logs = Path(tmp) / "spec.json", Path(tmp) / "out.json", Path(tmp) / "logs"
+        spec_file.write_text(json.dumps(spec))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, "-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
+               "--log-dir", str(logs), "--topology", "off", "-m", "topomesh.validate.worker",
+               "--spec", str(spec_file), "--out", str(out_file)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise ValidateError(f"the real run of layout {layout.describe()} took more than {timeout_s:.0f} s; "
+                                "give fewer --steps or a smaller model.") from None
+        if proc.returncode != 0 or not out_file.is_file():
+            lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
+            raise ValidateError(f"the real run of layout {layout.describe()} failed (exit {proc.returncode}): "
+                                + " | ".join(lines[-4:]))
+        return json.loads(out_file.read_text())
+
+
+def layout_result(spec_text: str, prediction: Any, record: dict[str, Any]) -> LayoutResult:
+    """One :class:`LayoutResult` from a prediction (StepResult) and a worker record: the
+    median of the timed steps, the largest rank's peak."""
+    steps = tuple(float(s) for s in record["step_s"])
+    if not steps:
+        raise ValidateError(f"the real run of layout {spec_text} timed no steps.")
+    load = tuple(x[0] for x in (record.get("loadavg_before"), record.get("loadavg_after")) if x)
+    b = prediction.breakdown
+    return LayoutResult(
+        layout=spec_text, predicted_s=prediction.step_time_s, measured_s=statistics.median(steps),
+        predicted_peak_bytes=int(prediction.peak_memory_bytes), measured_peak_bytes=max(record["peak_bytes"]),
+        steps_s=steps, world_size=int(record["world_size"]), microbatches=int(record["microbatches"]),
+        loadavg=load,
+        breakdown={"compute_s": b.compute_s, "exposed_comm_s": dict(b.exposed_comm_s), "bubble_s": b.bubble_s,
+                   "optimizer_s": b.optimizer_s, "p2p_s": b.p2p_s},
+    )

@@ -1,0 +1,266 @@
+"""One real training run of a layout, measured: the worker ``topomesh validate`` launches.
+
+Started on every rank by ``topomesh launch --standalone --nproc-per-node N -m
+topomesh.validate.worker --spec FILE.json --out FILE.json``. The spec (written by
+:mod:`topomesh.validate.run`) names a built-in model config, the layout's degrees and the
+training knobs — the same :class:`~topomesh.sim.simulate.Training` the simulator priced —
+and the worker trains exactly what the simulator traced:
+
+* the reference :class:`~topomesh.models.transformer.Transformer`, built in the dtype the
+  trace used (float32 under FSDP2 mixed precision, else the training dtype), parallelized
+  by the built-in parallelize (:func:`~topomesh.sim.simulate.builtin_model`: TP+SP,
+  FSDP2/HSDP, mixed precision, recomputation) on the topology-placed mesh;
+* AdamW one parameter at a time (the tracer's :func:`~topomesh.trace.tracer.default_optimizer`),
+  the float32 token cross-entropy (``loss_parallel`` when the logits are vocab-sharded);
+* with ``pp > 1``: one ``PipelineStage`` per pipeline rank holding the layers
+  :func:`~topomesh.sim.simulate.split_layers` gives it, run by the torch schedule class
+  the simulator takes its action order from (:mod:`topomesh.sim.schedules`);
+* without a pipeline: the micro-batches one after the other (gradient accumulation).
+
+Measurement: ``torch.set_num_threads(threads)`` in every process (and one inter-op thread);
+``warmup`` steps discarded, the first of them a full first step (lazy init, optimizer
+state) and the last recorded by the profiler with ``profile_memory=True``: the peak of
+PyTorch's own allocation records inside that step (:func:`peak_in_window`), counted from
+the start of the process so parameters and optimizer state are in it. Then ``steps`` timed
+steps, each started after a barrier and timed on every rank; a step's time is the slowest
+rank's (all-reduce MAX). Rank 0 writes the times, the peaks of every rank, the load
+average before and after, and the thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from topomesh.errors import LayoutError
+from topomesh.models.transformer import Transformer, TransformerConfig
+
+
+def peak_in_window(records: Iterable[tuple[int, int]], start_ns: int, end_ns: int) -> int:
+    """Most bytes allocated at once inside ``[start_ns, end_ns]``.
+
+    ``records`` are (time ns, bytes) allocation records in any order, frees negative, from
+    the beginning of the process: what is allocated when the window opens counts.
+
+    >>> peak_in_window([(1, 100), (5, 50), (6, -50), (7, 20), (20, 500)], 4, 10)
+    150
+    """
+    live = peak = 0
+    opened = False
+    for t, nbytes in sorted(records):
+        if t > end_ns:
+            break
+        if t >= start_ns and not opened:
+            opened, peak = True, live
+        live += nbytes
+        if opened:
+            peak = max(peak, live)
+    return peak if opened else live
+
+
+class StageModel(Transformer):
+    """One pipeline stage of the reference transformer: its share of the blocks, the
+    embeddings on the first stage, the final norm and head on the last; ``forward`` takes
+    tokens (first stage) or the previous stage's hidden states."""
+
+    def __init__(self, cfg: TransformerConfig, n_layers: int, *, first: bool, last: bool) -> None:
+        super().__init__(dataclasses.replace(cfg, n_layers=n_layers))
+        if not first:
+            self.tok_embeddings = None
+            self.pos_embeddings = None
+        if not last:
+            self.norm = None
+            self.output = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(x)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(self.positions[: x.shape[1]])
+        rope = self.rope()
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+def _load_spec(path: Path) -> dict[str, Any]:
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        raise LayoutError(f"{path}: a validate worker spec must be a JSON object.")
+    return raw
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Train and measure (see the module docstring); rank 0 returns the record."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from topomesh.layout.api import mesh_from_topology
+    from topomesh.layout.dims import Axis
+    from topomesh.sim.inputs import load_model
+    from topomesh.sim.schedules import Schedule
+    from topomesh.sim.simulate import DTYPES, Training, mixed_precision, split_layers
+    from topomesh.trace.tracer import default_optimizer
+
+    threads = int(spec["threads"])
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    load_before = _loadavg()
+    model_def = load_model(spec["model"], seq_len=spec.get("seq_len"))
+    cfg = model_def.config
+    if cfg is None:
+        raise LayoutError(f"--model {spec['model']!r}: only built-in transformer configs can be run for real.")
+    cfg = dataclasses.replace(cfg, seq_len=model_def.seq_len)
+    training = Training(**{**spec["training"], "schedule": Schedule(spec["training"]["schedule"])})
+    degrees: dict[str, int] = spec["degrees"]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        mesh = mesh_from_topology(degrees, device_type="cpu", order=spec.get("order"))
+        from topomesh.layout.api import resolve_layout
+
+        layout = resolve_layout(degrees, dist.get_world_size(), order=spec.get("order"))
+        pp = layout.degree(Axis.PP)
+        if pp > 1 and (layout.degree(Axis.TP) > 1 or layout.degree(Axis.CP) > 1):
+            raise LayoutError("validate runs pipeline stages without tp or cp (their stage outputs are DTensors).")
+        if pp > 1 and training.schedule.multi_stage:
+            raise LayoutError(f"validate runs single-stage pipeline schedules (gpipe, 1f1b), not {training.schedule}.")
+        mixed = mixed_precision(layout, training)
+        dtype = torch.float32 if mixed else DTYPES[training.dtype]
+        dp = layout.degree(Axis.DP_REPLICATE) * layout.degree(Axis.DP_SHARD)
+        micro = training.global_batch // (dp * training.micro_batch)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            torch.manual_seed(0)
+            if pp > 1:
+                stage = mesh.get_local_rank(Axis.PP.value)
+                layers = split_layers(cfg.n_layers, pp)
+                module: nn.Module = StageModel(cfg, layers[stage], first=stage == 0, last=stage == pp - 1)
+            else:
+                stage, module = 0, Transformer(cfg)
+        finally:
+            torch.set_default_dtype(previous)
+        sub = [a.value for a in layout.mesh_axes if a is not Axis.PP]
+        inner = mesh[tuple(sub)] if sub and pp > 1 else (mesh if sub else None)
+        parallelize = model_def.parallelize(training, mixed)
+        if inner is not None and parallelize is not None:
+            module = parallelize(module, inner) or module
+        optimizer = default_optimizer([p for p in module.parameters() if p.requires_grad])
+        step_fn = _pipeline_step(module, mesh, stage, pp, micro, training) if pp > 1 else _plain_step(module, micro)
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, cfg.vocab_size, (training.micro_batch * micro, cfg.seq_len), generator=g)
+
+        def one_step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            step_fn(tokens)
+            optimizer.step()
+
+        warmup = max(2, int(spec["warmup"]))
+        for i in range(warmup):
+            dist.barrier()
+            if i == warmup - 1:
+                with record_function("topomesh_validate_step"):
+                    one_step()
+            else:
+                one_step()
+        dist.barrier()
+    events = prof.profiler.kineto_results.events()
+    window = [(e.start_ns(), e.end_ns()) for e in events if e.name() == "topomesh_validate_step"]
+    mem = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+    peak = peak_in_window(mem, *window[-1]) if window else 0
+    del prof, events, mem
+    times: list[float] = []
+    for _ in range(int(spec["steps"])):
+        dist.barrier()
+        t0 = time.perf_counter()
+        one_step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(float(dt.item()))
+    peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([peak], dtype=torch.int64))
+    out = {
+        "degrees": degrees,
+        "world_size": dist.get_world_size(),
+        "threads": threads,
+        "step_s": times,
+        "peak_bytes": [int(p.item()) for p in peaks],
+        "microbatches": micro,
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
+    }
+    return out if dist.get_rank() == 0 else None
+
+
+def _plain_step(module: nn.Module, micro: int) -> Any:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from topomesh.trace.tracer import causal_lm_loss
+
+    def step(tokens: torch.Tensor) -> None:
+        for chunk in tokens.chunk(micro):
+            out = module(chunk)
+            if isinstance(out, DTensor):
+                with loss_parallel():
+                    causal_lm_loss(out, chunk).backward()
+            else:
+                causal_lm_loss(out, chunk).backward()
+
+    return step
+
+
+def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int, training: Any) -> Any:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from topomesh.trace.tracer import causal_lm_loss
+
+    pipe = PipelineStage(module, stage, pp, torch.device("cpu"), group=mesh.get_group("pp"))
+    schedule = get_schedule_class(training.schedule.torch_name)(pipe, n_microbatches=micro, loss_fn=causal_lm_loss)
+    last = stage == pp - 1
+
+    def step(tokens: torch.Tensor) -> None:
+        args = (tokens,) if stage == 0 else ()
+        schedule.step(*args, target=tokens if last else None)
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser(description="one measured training run of a layout (topomesh validate)")
+    p.add_argument("--spec", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    record = run(_load_spec(args.spec))
+    if record is not None:
+        from topomesh.topology.api import write_atomic
+
+        write_atomic(args.out, json.dumps(record, indent=2))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
