@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from topomesh.errors import LayoutError
-from topomesh.layout.replicas import Instances, ReplicaGrouping, hsdp_mesh_ranks
+from topomesh.layout.replicas import (
+    Instances,
+    ReplicaGrouping,
+    hsdp_mesh_ranks,
+    replica_value,
+    shard_of,
+    unshard,
+    weights_from_host,
+    weights_to_host,
+)
 
 
 def popxl_assignment(num_replicas: int, stride: int, group_size: int) -> list[int]:
@@ -105,13 +115,60 @@ def test_sixteen_replicas_eight_instances_gs4_stride4_shard_over_2() -> None:
         (4, 0, 1, 1), (5, 1, 1, 1)]
 
 
-def test_gather_grouping_refuses_when_documented_rule_breaks() -> None:
+def test_gather_grouping_is_shard_over_consecutive_members() -> None:
+    # one group of 8, shard_over 2: members hold shards 0,1,0,1,...; PopXL's text (group_size
+    # 8 // 2 = 4) would gather [0 1 2 3], shards 0,1,0,1; pairs hold each shard once
     g = ReplicaGrouping(num_replicas=8, group_size=8)
-    with pytest.raises(LayoutError, match="does not hold each of the 2 shards once"):
-        g.gather_grouping(2)
-    assert g.shard_domains(2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g.gather_grouping(2).groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # group_size 2 = shard_over: PopXL's text would give singletons, which gather nothing
+    pairs = ReplicaGrouping(num_replicas=8, group_size=2, stride=4)
+    assert pairs.gather_grouping(2).groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # no constant stride (the transpose of group_size 2, stride 2 on 8): [0 1 4 5] [2 3 6 7]
+    odd = ReplicaGrouping(num_replicas=8, group_size=2, stride=2).transpose()
+    assert odd.gather_grouping(2).groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for grouping, so in ((g, 2), (pairs, 2), (odd, 2), (ReplicaGrouping(num_replicas=12, group_size=6, stride=2), 3)):
+        for grp in grouping.gather_grouping(so).groups():
+            assert sorted(grouping.shard_index(r, so) for r in grp) == list(range(so))
+            assert len({grouping.group_of(r) for r in grp}) == 1
     with pytest.raises(LayoutError, match="shard_over 3 must divide the group size 8"):
         g.shard_index(0, 3)
+
+
+def test_shards_of_a_value_that_does_not_divide() -> None:
+    value = torch.arange(1, 8).reshape(7)  # 7 elements over 3 -> shards of 3, 2 zeros of padding
+    assert [shard_of(value, k, 3).tolist() for k in range(3)] == [[1, 2, 3], [4, 5, 6], [7, 0, 0]]
+    assert unshard([shard_of(value, k, 3) for k in range(3)], (7,)).tolist() == list(range(1, 8))
+    m = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert unshard([shard_of(m, k, 4) for k in range(4)], (2, 3)).tolist() == [[1, 2, 3], [4, 5, 6]]
+    with pytest.raises(LayoutError, match=r"must have shape \(3,\); got \(2,\)"):
+        unshard([torch.zeros(3), torch.zeros(2), torch.zeros(3)], (7,))
+
+
+def test_replica_values_follow_popxl() -> None:
+    # PopXL guide: w = [1, 2], 4 replicas in the group, shard_over 2 -> [1] [2] [1] [2]
+    g = ReplicaGrouping(num_replicas=4, group_size=4)
+    assert [replica_value(torch.tensor([1, 2]), g, r, shard_over=2).tolist() for r in range(4)] == [[1], [2], [1], [2]]
+    # 2 groups (stride 2): replica r gets host[r % 2]
+    g2 = ReplicaGrouping(num_replicas=4, group_size=2, stride=2)
+    host = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert [replica_value(host, g2, r).tolist() for r in range(4)] == [[1, 2, 3], [4, 5, 6]] * 2
+
+
+def test_host_data_of_the_wrong_shape() -> None:
+    g2 = ReplicaGrouping(num_replicas=4, group_size=2)
+    with pytest.raises(LayoutError, match=r"2 groups must have shape \(2, \*shape\).*got shape \(3, 5\)"):
+        replica_value(torch.zeros(3, 5), g2, 0)
+    with pytest.raises(LayoutError, match=r"2 groups must have shape \(2, \*shape\).*got shape \(\)"):
+        replica_value(torch.tensor(1.0), g2, 0)
+    with pytest.raises(LayoutError, match=r"values of shape \(4,\) must have shape \(2, 4\); got shape \(2, 5\)"):
+        replica_value(torch.zeros(2, 5), g2, 0, shape=(4,))
+    one = ReplicaGrouping(num_replicas=4, group_size=4)  # one group: the host data is the value
+    with pytest.raises(LayoutError, match=r"values of shape \(4,\) must have shape \(4,\); got shape \(1, 4\)"):
+        replica_value(torch.zeros(1, 4), one, 0, shape=(4,))
+    with pytest.raises(LayoutError, match="4 distinct ranks, one per replica"):
+        weights_from_host(torch.zeros(4), one, ranks=[0, 1, 1, 2])
+    with pytest.raises(LayoutError, match="retrieval_mode must be one of"):
+        weights_to_host(torch.zeros(4), one, retrieval_mode="first")
 
 
 def test_bad_groupings() -> None:

@@ -13,6 +13,9 @@ topology file and the layout, so every rank computes them identically.
 * :func:`flatten` — several axes as one dim (e.g. ``dp`` = dp_replicate × dp_shard).
 * :func:`replica_groups` / :func:`hsdp_mesh` — torch groups and an HSDP mesh from a
   :class:`~topomesh.layout.replicas.ReplicaGrouping`.
+* :func:`member_group`, :func:`all_gather_in_order`, :func:`broadcast_from` — groups over
+  any rank set, called by its members only (the exception to the rule above), created once
+  and found again; used by ``weights_to_host``.
 
 Backends: gloo for ``cpu``, NCCL for ``cuda`` (:func:`backend_for`).
 """
@@ -129,3 +132,68 @@ def hsdp_mesh(
     return DeviceMesh(
         device_type, torch.as_tensor(mesh), mesh_dim_names=(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)
     )
+
+
+_MEMBER_TAG = "topomesh:members"
+"""Tag of the groups :func:`member_group` creates, under which torch's registry finds them again."""
+
+
+def member_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """This rank's process group over ``ranks`` (which must include it), created on first use.
+
+    Only the members call it, so ranks outside the set may be doing something else, and
+    later calls with the same set return the same group: torch's own registry of groups by
+    tag is the cache, so it ends with the default group (``destroy_process_group``) and
+    holds no module state here. The whole world is the default group.
+
+    Why not ``new_group(ranks, use_local_synchronization=True)``: torch names such a group
+    by its ranks *and the number of groups the calling process already has*, so members
+    that created different numbers of groups before (one was the first replica of its
+    group, another was not) name it differently and wait for each other forever (measured
+    here: 8 gloo ranks, ranks 0 and 1 with one extra group, hang creating ``[0 2 4 6]`` and
+    ``[1 3 5 7]``). The name here depends on the ranks alone; the group is built with
+    torch's own helper. Private torch API, checked on torch 2.13.
+    """
+    import hashlib
+
+    from torch.distributed import distributed_c10d as c10d
+
+    members = sorted(int(r) for r in ranks)
+    me = dist.get_rank()
+    if me not in members:
+        raise LayoutError(f"rank {me} asked for a group over ranks {members} it is not in")
+    if members == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    found = c10d._find_pg_by_ranks_and_tag(_MEMBER_TAG, members)
+    if found is not None:
+        return found
+    default = c10d._get_default_group()
+    backend, store = c10d._world.pg_map[default]
+    name = "topomesh_members_" + hashlib.sha1("_".join(map(str, members)).encode(), usedforsecurity=False).hexdigest()
+    pg, _ = c10d._new_process_group_helper(
+        len(members), members.index(me), members, backend, store, c10d.GroupName(name),
+        timeout=c10d._get_default_timeout(backend), pg_tag=_MEMBER_TAG, device_id=default.bound_device_id,
+        group_desc="topomesh_members",
+    )
+    c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(members)}
+    return pg
+
+
+def all_gather_in_order(tensor: torch.Tensor, ranks: Sequence[int]) -> list[torch.Tensor]:
+    """Every member's ``tensor`` (same shape and dtype everywhere), in the order of ``ranks``.
+
+    Collective over ``ranks`` (global ranks, this one among them), on :func:`member_group`.
+    """
+    ranks = [int(r) for r in ranks]
+    if len(ranks) == 1:
+        return [tensor]
+    group = member_group(ranks)
+    out = [torch.empty_like(tensor) for _ in ranks]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return [out[dist.get_group_rank(group, r)] for r in ranks]
+
+
+def broadcast_from(tensor: torch.Tensor, src: int, ranks: Sequence[int]) -> None:
+    """Broadcast ``tensor`` in place from global rank ``src`` to ``ranks`` (collective over them)."""
+    if len(ranks) > 1:
+        dist.broadcast(tensor, src=src, group=member_group(ranks))
