@@ -23,7 +23,7 @@ import torch
 from topomesh.cost.cluster import AxisLink, Cluster, axis_link
 from topomesh.errors import LayoutError
 from topomesh.layout.dims import Axis, Layout
-from topomesh.layout.place import Placement, Strategy, place
+from topomesh.layout.place import Placement, Strategy, locality_order
 from topomesh.sim.engine import EngineResult, Piece, StagePlan, simulate_pipeline
 from topomesh.sim.price import PricedClass, Pricer, Work, collective_axes, price_trace
 from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
@@ -188,6 +188,29 @@ def link_key(layout: Layout, axes: tuple[Axis, ...]) -> tuple[tuple[int, int], .
     return tuple(out)
 
 
+def placed_ranks(cluster: Cluster, memo: SimMemo) -> tuple[int, ...]:
+    """The topology placement's rank list on ``cluster`` (what :func:`place` gives every layout)."""
+    if id(cluster) not in memo.ranks:  # the cluster is kept with its ranks, so its id stays its own
+        memo.ranks[id(cluster)] = (cluster, tuple(locality_order(cluster.topology)))
+    return memo.ranks[id(cluster)][1]
+
+
+def memo_axis_link(cluster: Cluster, layout: Layout, name: str, memo: SimMemo,
+                   placement: Placement | None = None) -> AxisLink:
+    """The link the groups of ``name`` (a mesh axis or ``+``-joined axes, as a trace's collectives
+    name them) cross under ``layout``'s topology placement; an unknown name is priced on the
+    largest axis. Shared through ``memo`` by :func:`link_key` (exact)."""
+    axes = [a for a in name.split("+") if a]
+    if not axes or any(a not in Axis.__members__.values() for a in axes):
+        axes = [max(layout.mesh_axes, key=layout.degree).value]  # unknown group: the largest axis
+    key = (id(cluster), "+".join(axes), link_key(layout, tuple(Axis(a) for a in axes)))
+    if key not in memo.links:
+        if placement is None:
+            placement = Placement(layout=layout, ranks=placed_ranks(cluster, memo), strategy=Strategy.TOPOLOGY)
+        memo.links[key] = axis_link(cluster, placement, axes)
+    return memo.links[key]
+
+
 def mixed_precision(layout: Layout, training: Training) -> bool:
     """Whether FSDP2 mixed precision applies (see :attr:`Training.mixed_precision`)."""
     sharded = any(layout.degree(a) > 1 for a in (Axis.DP_SHARD, Axis.DP_REPLICATE, Axis.CP))
@@ -223,20 +246,12 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     if trace is None:
         trace = trace_layout(model, layout, training, cache)
     memo = memo or SimMemo()
-    if id(cluster) not in memo.ranks:  # the cluster is kept with its ranks, so its id stays its own
-        memo.ranks[id(cluster)] = (cluster, place(cluster.topology, layout).ranks)
-    placement = Placement(layout=layout, ranks=memo.ranks[id(cluster)][1], strategy=Strategy.TOPOLOGY)
+    placement = Placement(layout=layout, ranks=placed_ranks(cluster, memo), strategy=Strategy.TOPOLOGY)
     links: dict[str, AxisLink] = {}
 
     def link_of(name: str) -> AxisLink:
         if name not in links:
-            axes = [a for a in name.split("+") if a]
-            if not axes or any(a not in Axis.__members__.values() for a in axes):
-                axes = [max(layout.mesh_axes, key=layout.degree).value]  # unknown group: the largest axis
-            key = (id(cluster), "+".join(axes), link_key(layout, tuple(Axis(a) for a in axes)))
-            if key not in memo.links:
-                memo.links[key] = axis_link(cluster, placement, axes)
-            links[name] = memo.links[key]
+            links[name] = memo_axis_link(cluster, layout, name, memo, placement)
         return links[name]
 
     axes = memo.axes.get(id(trace.segments))
@@ -266,6 +281,8 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         from topomesh.cost.cluster import group_collective_time_s
 
         p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
+        if cluster.collectives_share_compute:
+            p2p_s *= cluster.core_share
     run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=record)
     memory = tuple(_memory(priced, plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
     flops = memo.flops.get(id(trace.segments))
