@@ -76,6 +76,32 @@ def test_repeated_blocks_fast_forward_exactly(gather_s, count):
         assert fast.exposed[k] == pytest.approx(slow.exposed[k], rel=1e-9)
 
 
+@pytest.mark.parametrize("backlog_s", [0.0, 3.7, 12.0])
+def test_fast_forward_waits_out_a_transient(backlog_s):
+    """A backlog on the network stream (a long reduction issued just before) makes the first
+    blocks wait for their gathers unevenly; the fast-forward must not extrapolate until the
+    state advances uniformly."""
+    head = Work(compute_s=0.1, reduce=(Comm("dp_shard", Stream.NET, backlog_s),))
+    blk = Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, 0.4),), reduce=(Comm("dp_shard", Stream.NET, 0.3),))
+    pieces = [piece(head), piece(blk, 40)]
+    fast, slow = RankState(), RankState(spans=[])
+    run_pieces(fast, pieces)
+    run_pieces(slow, pieces)
+    assert fast.compute_free == pytest.approx(slow.compute_free, rel=1e-12)
+    assert fast.exposed.get("dp_shard", 0.0) == pytest.approx(slow.exposed.get("dp_shard", 0.0), rel=1e-9)
+
+
+def test_no_fast_forward_while_a_stream_falls_behind():
+    # reductions (1.5 s) outpace the blocks (1 s): the compute clock advances evenly but the
+    # network stream falls further behind every block, so copies must not be extrapolated
+    blk = Work(compute_s=1.0, reduce=(Comm("dp_shard", Stream.NET, 1.5),))
+    fast, slow = RankState(), RankState(spans=[])
+    run_pieces(fast, [piece(blk, 30)])
+    run_pieces(slow, [piece(blk, 30)])
+    assert slow.reduce_end == pytest.approx(30 * 1.5 + 1.0)  # first starts at 1, then back to back
+    assert fast.reduce_end == pytest.approx(slow.reduce_end, rel=1e-12)
+
+
 def test_one_f_one_b_bubble_matches_the_analytic_value():
     # uniform stages, F = 1 s, B = 2 s, no communication: 1F1B takes (m + p - 1)(F + B) and
     # the bubble is (p - 1)/(m + p - 1) of the step (Narayanan et al. 2021, §2.2).

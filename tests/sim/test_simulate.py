@@ -40,6 +40,19 @@ def test_breakdown_accounts_for_every_second(wide16):
         assert r.step_time_s > 0 and 0 < r.mfu <= r.hfu + 1e-12 < 1
 
 
+def test_mfu_counts_model_flops_by_the_palm_formula(wide16):
+    # PaLM (arXiv:2204.02311, App. B): 6·N + 12·L·h·s FLOPs per token, N the matmul
+    # parameters: 4·h² (q, k, v, o with as many kv heads as heads) + 3·h·ffn per layer, and
+    # the h·V output head. The traced count has the causal attention at half of 12·L·h·s,
+    # hence the 5 % tolerance.
+    h, L, s, V, ffn = WIDE.hidden, WIDE.n_layers, WIDE.seq_len, WIDE.vocab_size, WIDE.ffn_hidden
+    n = L * (4 * h * h + 3 * h * ffn) + h * V
+    r = wide16.simulate(Layout(tp=8, dp_shard=2), Training(global_batch=4))
+    tokens = 4 * s
+    peak = 16 * 989.5e12  # 16 H100 SXM at the datasheet's dense bf16 figure
+    assert r.mfu == pytest.approx((6 * n + 12 * L * h * s) * tokens / (r.step_time_s * peak), rel=0.05)
+
+
 def test_tp_that_outgrows_a_node_crosses_ib_and_costs_more(wide16):
     inside = wide16.simulate(Layout(tp=8, dp_shard=2), Training(global_batch=2))
     across = wide16.simulate(Layout(tp=16), Training(global_batch=1))
@@ -69,6 +82,17 @@ def test_fsdp_gathers_hide_behind_compute_when_compute_is_longer():
     r = sim.simulate(Layout(dp_shard=8), Training(global_batch=64, micro_batch=8))
     exposed = r.breakdown.exposed_comm_s.get("dp_shard", 0.0)
     assert exposed < 0.2 * r.breakdown.compute_s
+    # of all the FSDP traffic (gathers and reduce-scatters, priced on their link) at most
+    # half is exposed; were the gathers blocking, all of it would be
+    (priced,) = sim._memo.priced.values()
+    assert priced.fwd_block.gather and not priced.fwd_block.blocking
+
+    def total(w) -> float:
+        return sum(c.seconds for c in (*w.gather, *w.reduce))
+
+    fsdp = WIDE.n_layers * (total(priced.fwd_block) + total(priced.bwd_block)) + sum(
+        total(w) for w in (priced.fwd_pre, priced.fwd_post, priced.bwd_post, priced.bwd_pre))
+    assert exposed < 0.5 * fsdp
 
 
 def test_a_layout_over_capacity_is_infeasible_with_the_numbers():
@@ -88,6 +112,7 @@ def test_pipeline_stages_hold_their_share_of_layers(wide16):
     assert [m.in_flight for m in r.memory] == [4, 3, 2, 1]  # 1F1B warm-up depth per rank
     assert r.breakdown.bubble_s > 0 and r.layout["schedule"] == "1f1b"
     assert split_layers(4, 4) == [1, 1, 1, 1]
+    assert split_layers(10, 4) == [3, 3, 2, 2] and split_layers(7, 7) == [1] * 7
 
 
 def test_bad_inputs_are_layout_errors(wide16):
