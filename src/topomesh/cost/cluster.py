@@ -96,6 +96,15 @@ class Cluster:
     """Ranks on one node."""
     source: str
     """Where the cluster came from: the preset's data file, or the topology file."""
+    cores: int | None = None
+    """CPU cores the ranks of a node share for their work (the ``local`` cluster: CPU processes);
+    None where every rank has a device of its own (GPUs)."""
+    threads_per_rank: int = 1
+    """Compute threads each rank runs (torch threads) when ranks share ``cores``."""
+    collectives_share_compute: bool = False
+    """Collectives run on the cores that compute (gloo on CPU: its threads copy and reduce the
+    data), so they do not overlap compute and take cores as compute does; False for GPUs,
+    whose collectives run on the copy engines / NICs beside the compute stream."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
@@ -117,6 +126,20 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.topology.world_size
+
+    @property
+    def core_share(self) -> float:
+        """How many times slower a rank's CPU work runs than on cores of its own: the threads
+        of a node's ranks over its ``cores`` (at least 1); 1 without shared cores.
+
+        >>> import dataclasses
+        >>> c = load_cluster("dgx-h100", gpus=8)
+        >>> c.core_share, dataclasses.replace(c, cores=2, threads_per_rank=1).core_share
+        (1.0, 4.0)
+        """
+        if self.cores is None:
+            return 1.0
+        return max(1.0, self.gpus_per_node * self.threads_per_rank / self.cores)
 
     @property
     def nodes(self) -> int:
@@ -269,15 +292,25 @@ def local_profile(directory: Path | None = None, hostname: str | None = None) ->
 
 def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> Cluster:
     """This machine: ``gpus`` CPU processes on one host (default: as many as the calibration
-    measured), the measured CPU spec, the calibrated gloo profile (:func:`local_profile`)."""
+    measured), the measured CPU spec, the calibrated gloo profile (:func:`local_profile`).
+
+    The processes share this host's cores (``os.sched_getaffinity``), each running torch's
+    current thread count (the op table and the CPU spec are keyed by it), and gloo's
+    collectives run on those cores: :attr:`Cluster.collectives_share_compute`."""
     prof, path = local_profile(directory)
     measured = prof.meta.get("world_size")
     n = gpus if gpus is not None else (measured if isinstance(measured, int) and measured > 0 else 2)
     world_shape(n, n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, "the local cluster")
+    import os
+
+    import torch
+
     host = Host(hostname=socket.gethostname())
     topo = build_topology([host], default_placement([host], [n]), source="local")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
-                   gpus_per_node=n, source=str(path))
+                   gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
+                   collectives_share_compute=True)
 
 
 # ------------------------------------------------------------------ topology files

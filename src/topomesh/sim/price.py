@@ -15,6 +15,11 @@ a :class:`Work`:
 * ``reduce``: gradient reduce-scatters / all-reduces over data-parallel axes (FSDP2, DDP,
   HSDP) issued after the piece and only waited for by the optimizer.
 
+On a cluster whose collectives run on the compute cores (gloo on CPU,
+:attr:`~topomesh.cost.cluster.Cluster.collectives_share_compute`) nothing overlaps: every
+collective is ``blocking``. Where ranks share cores (:attr:`~topomesh.cost.cluster.Cluster.core_share`)
+op times — and such collectives — are stretched by the share.
+
 Each collective is priced on the link its group crosses under the placement
 (:func:`topomesh.cost.cluster.axis_link`) and runs on the stream of that link class
 (``intra``: inside a node; ``net``: across nodes), so an NVLink collective and a network
@@ -130,11 +135,13 @@ class Pricer:
             self.measured += 1
         else:
             self.roofline += 1
-        return hit[0]
+        return hit[0] * self.cluster.core_share
 
     def comm(self, rec: CollectiveRecord) -> Comm:
         link = self.link_of(rec.mesh_axis or "")
         seconds = group_collective_time_s(rec, link, self.cluster.profile)
+        if self.cluster.collectives_share_compute:
+            seconds *= self.cluster.core_share  # CPU work on the shared cores, like the ops
         return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds)
 
     def work(self, segments: Iterable[Segment], *, exclude: Counter | None = None, extra_gather: Iterable = ()) -> Work:
@@ -163,7 +170,10 @@ class Pricer:
                         weight += s / 2
                 elif e.group_size > 1:
                     c = self.comm(e)
-                    if is_param_collective(e) and e.phase is not Phase.OPTIMIZER:
+                    if self.cluster.collectives_share_compute:
+                        blocking.append(c)  # no overlap: the compute cores run it
+                        gathered += e.bytes if is_param_collective(e) and e.kind is CollectiveKind.ALL_GATHER else 0
+                    elif is_param_collective(e) and e.phase is not Phase.OPTIMIZER:
                         if e.kind is CollectiveKind.ALL_GATHER:
                             gather.append(c)
                             gathered += e.bytes
@@ -172,7 +182,7 @@ class Pricer:
                     else:
                         blocking.append(c)
         extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]
-        gather += [self.comm(e) for e in extra]
+        (blocking if self.cluster.collectives_share_compute else gather).extend(self.comm(e) for e in extra)
         gathered += sum(e.bytes for e in extra)
         return Work(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
                     flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,

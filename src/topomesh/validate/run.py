@@ -52,6 +52,9 @@ class LayoutResult:
     measured_s: float
     predicted_peak_bytes: int
     measured_peak_bytes: int
+    measured_cpu_s: float = 0.0
+    """Median over the timed steps of the largest rank's CPU time (s): the step's cost apart
+    from waiting for a core, for reading measurements taken on a machine others load."""
     steps_s: tuple[float, ...] = ()
     """Every timed step (s), slowest rank's."""
     world_size: int = 1
@@ -74,7 +77,9 @@ class LayoutResult:
             "layout": self.layout, "world_size": self.world_size, "microbatches": self.microbatches,
             "predicted_s": self.predicted_s, "measured_s": self.measured_s, "error": self.error,
             "predicted_peak_bytes": self.predicted_peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
-            "memory_error": self.memory_error, "steps_s": list(self.steps_s), "loadavg": list(self.loadavg),
+            "memory_error": self.memory_error, "measured_cpu_s": self.measured_cpu_s,
+            "cpu_error": (self.predicted_s - self.measured_cpu_s) / self.measured_cpu_s if self.measured_cpu_s else None,
+            "steps_s": list(self.steps_s), "loadavg": list(self.loadavg),
             "breakdown": self.breakdown,
         }
 
@@ -114,7 +119,7 @@ def compare(results: Sequence[LayoutResult]) -> dict[str, Any]:
 
 def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     """The gloo profile of this host, calibrated now (``calibrate --local world``, sizes up to
-    64 MiB) when none is saved or the newest measured fewer ranks than ``world``."""
+    16 MiB) when none is saved or the newest measured fewer ranks than ``world``."""
     from topomesh.cost.calibrate import spawn_local
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
@@ -125,7 +130,8 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
             return path
     except ClusterError:
         pass
-    argv = ["--collectives", "all_reduce,all_gather,reduce_scatter,send_recv", "--no-progress", "--backend", "gloo"]
+    argv = ["--collectives", "all_reduce,all_gather,reduce_scatter,send_recv", "--max-bytes", str(16 << 20),
+            "--no-progress", "--backend", "gloo"]
     result = spawn_local(max(2, world), argv, timeout_s=timeout_s)
     return Path(result["profile"])
 
@@ -186,7 +192,7 @@ def layout_result(spec_text: str, prediction: Any, record: dict[str, Any]) -> La
     return LayoutResult(
         layout=spec_text, predicted_s=prediction.step_time_s, measured_s=statistics.median(steps),
         predicted_peak_bytes=int(prediction.peak_memory_bytes), measured_peak_bytes=max(record["peak_bytes"]),
-        steps_s=steps, world_size=int(record["world_size"]), microbatches=int(record["microbatches"]),
+        measured_cpu_s=statistics.median(record.get("cpu_s") or [0.0]), steps_s=steps, world_size=int(record["world_size"]), microbatches=int(record["microbatches"]),
         loadavg=load,
         breakdown={"compute_s": b.compute_s, "exposed_comm_s": dict(b.exposed_comm_s), "bubble_s": b.bubble_s,
                    "optimizer_s": b.optimizer_s, "p2p_s": b.p2p_s},

@@ -23,7 +23,9 @@ state) and the last recorded by the profiler with ``profile_memory=True``: the p
 PyTorch's own allocation records inside that step (:func:`peak_in_window`), counted from
 the start of the process so parameters and optimizer state are in it. Then ``steps`` timed
 steps, each started after a barrier and timed on every rank; a step's time is the slowest
-rank's (all-reduce MAX). Rank 0 writes the times, the peaks of every rank, the load
+rank's (all-reduce MAX), wall clock, and so is its CPU time (``time.process_time``: every
+thread of the process, gloo's included) — on a machine others load, the CPU time shows
+what the step cost apart from waiting for a core. Rank 0 writes the times, the peaks of every rank, the load
 average before and after, and the thread count.
 """
 
@@ -188,13 +190,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     peak = peak_in_window(mem, *window[-1]) if window else 0
     del prof, events, mem
     times: list[float] = []
+    cpu: list[float] = []
     for _ in range(int(spec["steps"])):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         one_step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        times.append(float(dt.item()))
+        times.append(float(dt[0]))
+        cpu.append(float(dt[1]))
     peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, torch.tensor([peak], dtype=torch.int64))
     out = {
@@ -202,6 +206,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         "world_size": dist.get_world_size(),
         "threads": threads,
         "step_s": times,
+        "cpu_s": cpu,
         "peak_bytes": [int(p.item()) for p in peaks],
         "microbatches": micro,
         "loadavg_before": load_before,

@@ -1,0 +1,99 @@
+"""topomesh validate's pure parts: the report, the peak-memory window, the shared global
+batch, and the pipeline stage model the real runs train."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from topomesh.cli.validate import _global_batch, _layouts
+from topomesh.errors import LayoutError
+from topomesh.models.presets import get_preset
+from topomesh.models.transformer import Transformer
+from topomesh.validate.run import LayoutResult, compare, layout_result
+from topomesh.validate.worker import StageModel, peak_in_window
+
+
+def _r(name: str, pred: float, meas: float, pmem: int = 100, mmem: int = 100) -> LayoutResult:
+    return LayoutResult(layout=name, predicted_s=pred, measured_s=meas, predicted_peak_bytes=pmem,
+                        measured_peak_bytes=mmem)
+
+
+def test_compare_errors_by_hand():
+    # errors: (0.9-1.0)/1.0 = -10 %, (0.55-0.5)/0.5 = +10 %, (2.4-2.0)/2.0 = +20 %
+    out = compare([_r("a", 0.9, 1.0, 110, 100), _r("b", 0.55, 0.5), _r("c", 2.4, 2.0, 75, 100)])
+    assert [round(x["error"], 9) for x in out["layouts"]] == [-0.1, 0.1, 0.2]
+    assert out["mean_abs_error"] == pytest.approx(0.4 / 3)
+    assert out["max_abs_error"] == pytest.approx(0.2)
+    assert out["fastest_predicted"] == out["fastest_measured"] == "b" and out["fastest_correct"] is True
+    assert out["max_abs_memory_error"] == pytest.approx(0.25)  # c: 75 predicted of 100 measured
+
+
+def test_compare_flags_a_wrong_fastest():
+    # predicted a (0.4) fastest, measured b (0.45 < 0.5)
+    out = compare([_r("a", 0.4, 0.5), _r("b", 0.6, 0.45)])
+    assert (out["fastest_predicted"], out["fastest_measured"], out["fastest_correct"]) == ("a", "b", False)
+
+
+def test_compare_needs_a_layout():
+    with pytest.raises(LayoutError, match="at least one layout"):
+        compare([])
+
+
+def test_peak_in_window_counts_what_is_live_when_it_opens():
+    # 100 B live before the window; inside: +50 (150), -50 (100), +20 (120); after it: +500
+    recs = [(20, 500), (7, 20), (1, 100), (6, -50), (5, 50)]  # any order
+    assert peak_in_window(recs, 4, 10) == 150
+    # a window after the free: live 100+50-50 = 100, then +20 -> 120
+    assert peak_in_window(recs, 7, 10) == 120
+    # a window ending before the +20: 100 live all along
+    assert peak_in_window(recs, 6.5, 6.9) == 100
+    # no record inside the window: what is live then
+    assert peak_in_window([(1, 100), (2, -30)], 5, 9) == 70
+
+
+def test_layout_result_takes_the_median_and_the_largest_rank():
+    class _B:
+        compute_s, exposed_comm_s, bubble_s, optimizer_s, p2p_s = 0.1, {"dp_shard": 0.02}, 0.0, 0.01, 0.0
+
+    class _P:
+        step_time_s, peak_memory_bytes, breakdown = 0.13, 1000, _B()
+
+    rec = {"step_s": [0.2, 0.1, 0.5, 0.12, 0.11], "cpu_s": [0.1, 0.09, 0.3, 0.1, 0.08], "peak_bytes": [900, 1250],
+           "world_size": 2, "microbatches": 2, "loadavg_before": [1.5, 1, 1], "loadavg_after": [2.5, 1, 1]}
+    r = layout_result("dp_shard=2", _P(), rec)
+    assert (r.measured_s, r.measured_cpu_s, r.measured_peak_bytes) == (0.12, 0.1, 1250)
+    assert r.error == pytest.approx((0.13 - 0.12) / 0.12) and r.memory_error == pytest.approx(-250 / 1250)
+    assert r.loadavg == (1.5, 2.5)
+
+
+def test_one_global_batch_for_every_layout():
+    def gb(specs, micro=1, given=None):
+        return _global_batch(argparse.Namespace(global_batch=given, micro_batch=micro), _layouts(specs))
+
+    # data-parallel degrees 1, 2, 2, 1, 1, 2: lcm 2, twice that
+    assert gb(["dp_shard=1", "dp_replicate=2", "dp_shard=2", "tp=2", "pp=2", "tp=2,dp_shard=2"]) == 4
+    assert gb(["dp_shard=3", "dp_replicate=2,dp_shard=2"], micro=2) == 2 * 2 * 12  # lcm(3, 4) = 12
+    assert gb(["dp_shard=2"], given=6) == 6
+
+
+def test_pipeline_stages_compose_to_the_whole_model():
+    cfg = dataclasses.replace(get_preset("tiny-llama"), n_layers=3)
+    torch.manual_seed(0)
+    full = Transformer(cfg)
+    first = StageModel(cfg, 2, first=True, last=False)
+    last = StageModel(cfg, 1, first=False, last=True)
+    assert first.output is None and last.tok_embeddings is None
+    first.tok_embeddings.load_state_dict(full.tok_embeddings.state_dict())
+    for i in range(2):
+        first.layers[str(i)].load_state_dict(full.layers[str(i)].state_dict())
+    last.layers["0"].load_state_dict(full.layers["2"].state_dict())
+    last.norm.load_state_dict(full.norm.state_dict())
+    last.output.load_state_dict(full.output.state_dict())
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    hidden = first(tokens)
+    assert hidden.shape == (2, cfg.seq_len, cfg.hidden)
+    torch.testing.assert_close(last(hidden), full(tokens))
