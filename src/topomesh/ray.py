@@ -23,7 +23,9 @@ failure), before the process group is set up, the backend:
 3. validates the entries, assembles the world and builds the file exactly as the torchrun
    agent does (same checks, same bytes for the same world);
 4. writes the file on each node (one writer per node, private directory, atomic) and sets
-   ``WORLD_TOPOLOGY_FILE`` in every worker.
+   ``WORLD_TOPOLOGY_FILE`` in every worker;
+5. sets ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` (where the worker has none) to the
+   interface that reaches rank 0's node, recorded per node in the file (``socket_ifname``).
 
 Inside the training function, :func:`topomesh.topology.api.load_topology` reads it.
 ``ray`` is an optional extra (``pip install topomesh[ray]``).
@@ -52,11 +54,20 @@ def _worker_identity() -> tuple[str, list[int]]:
     return ray.get_runtime_context().get_node_id(), [int(g) for g in ray.get_gpu_ids()]
 
 
-def _node_entry(group_rank: int, slots: Sequence[tuple[int, int, list[int]]], nproc: int) -> tuple[bytes, str, bytes]:
-    """Discover this node and describe its workers: ``(world_rank, local_rank, gpu_ids)``."""
+def _node_address() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def _node_entry(
+    group_rank: int, slots: Sequence[tuple[int, int, list[int]]], nproc: int, socket_ifname: str | None = None
+) -> tuple[bytes, str, bytes]:
+    """Discover this node and describe its workers: ``(world_rank, local_rank, gpu_ids)``;
+    ``socket_ifname`` is recorded for the node."""
+    import dataclasses
+
     from topomesh.launch.local import discover_local_host, local_devices
 
-    host = discover_local_host()
+    host = dataclasses.replace(discover_local_host(), socket_ifname=socket_ifname)
     by_index = {d.index: d.id for d in host.gpus}
     fallback = local_devices(host, nproc)
     workers = []
@@ -75,6 +86,30 @@ def _set_env(path: str) -> None:
     os.environ[api.ENV_VAR] = path
 
 
+def _choose_ifname(mode: str, master: str) -> str | None:
+    """On a node: the interface that reaches rank 0's node (``mode`` auto), or the given name."""
+    import logging
+
+    from topomesh.errors import LaunchError
+    from topomesh.launch import ifname
+
+    try:
+        name = ifname.choose(mode, master)
+    except LaunchError as exc:
+        logging.getLogger("topomesh.ray").warning("topomesh: %s; NCCL/Gloo choose their own interface", exc)
+        return None
+    if name is not None:
+        logging.getLogger("topomesh.ray").warning(
+            "topomesh: workers' socket interface %s on %s (towards %s)", name, _node_address(), master)
+    return name
+
+
+def _set_ifname_env(name: str | None) -> None:
+    from topomesh.launch import ifname
+
+    os.environ.update(ifname.worker_env(name, os.environ))  # the user's own setting wins
+
+
 @dataclass
 class TopologyTorchConfig(TorchConfig):
     """``TorchConfig`` whose workers get ``WORLD_TOPOLOGY_FILE`` (see the module docs)."""
@@ -85,6 +120,9 @@ class TopologyTorchConfig(TorchConfig):
     """``auto``, ``dense`` (RFC v0.1) or ``compact``."""
     run_id: str | None = None
     """Directory name for this run's files; a random one when not given."""
+    socket_ifname: str = "auto"
+    """``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` for workers that have none: ``auto`` = the
+    interface that reaches rank 0's node (the process group's rendezvous), ``off``, or a name."""
 
     @property
     def backend_cls(self) -> type[_TorchBackend]:
@@ -113,6 +151,9 @@ def publish_topology(worker_group: Any, config: TopologyTorchConfig, *, run_id: 
     for rank, (node_id, _) in enumerate(idents):
         nodes.setdefault(node_id, []).append(rank)
     first = {node_id: ranks[0] for node_id, ranks in nodes.items()}
+    master = ray.get(worker_group.execute_single_async(0, _node_address))
+    mode = getattr(config, "socket_ifname", "auto")
+    names = ray.get([worker_group.execute_single_async(first[n], _choose_ifname, mode, master) for n in nodes])
     blobs = ray.get(
         [
             worker_group.execute_single_async(
@@ -121,10 +162,13 @@ def publish_topology(worker_group: Any, config: TopologyTorchConfig, *, run_id: 
                 g,
                 [(r, local, idents[r][1]) for local, r in enumerate(ranks)],
                 len(ranks),
+                names[g],
             )
             for g, (node_id, ranks) in enumerate(nodes.items())
         ]
     )
+    ray.get([worker_group.execute_single_async(r, _set_ifname_env, names[g])
+             for g, ranks in enumerate(nodes.values()) for r in ranks])
     classes = exchange.HostClasses()
     entries = []
     for g, (node_blob, digest, body) in enumerate(blobs):

@@ -35,6 +35,9 @@ def _train_loop(config: dict) -> None:
         "bytes": Path(os.environ["WORLD_TOPOLOGY_FILE"]).read_text(),
         "world": world, "sum": t.item(), "run_id": topo.run_id,
         "hosts": [topo.host_of(r).hostname for r in range(world)],
+        "ifname": {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")},
+        "host_ifname": topo.host_of(rank).socket_ifname,
+        "node_ip": __import__("ray").util.get_node_ip_address(),
     }))
 
 
@@ -73,3 +76,9 @@ def test_torch_trainer_workers_read_the_topology(tmp_path: Path, monkeypatch: py
     assert reports[0]["run_id"] == "ray-test"
     assert reports[0]["hosts"] == ["dgx-h100-8gpu-8ib"] * 2  # one node, discovered once
     assert Path(reports[0]["file"]).parent == tmp_path / "topo" / "ray-test"
+    # the interface that holds the address rank 0's node is reached at, for both libraries
+    from topomesh.launch.ifname import _ipv4_of
+
+    name = reports[0]["host_ifname"]
+    assert _ipv4_of(name) == reports[0]["node_ip"]
+    assert [r["ifname"] for r in reports] == [{"NCCL_SOCKET_IFNAME": name, "GLOO_SOCKET_IFNAME": name}] * 2

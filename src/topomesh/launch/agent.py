@@ -17,6 +17,7 @@ for every round.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -32,7 +33,7 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, Worke
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from topomesh.errors import LaunchError
-from topomesh.launch import exchange, localprobe, probe
+from topomesh.launch import exchange, ifname, localprobe, probe
 from topomesh.launch.files import run_directory, write_topology_file
 from topomesh.launch.local import discover_local_host, local_devices, visible_devices
 from topomesh.topology import api
@@ -97,6 +98,11 @@ class TopologyOptions:
     """Time box for measuring one peer node."""
     timeout_s: float = 120.0
     """How long to wait for peers' entries and the leader's world after a rendezvous."""
+    socket_ifname: str = ifname.AUTO
+    """``auto``, ``off`` or an interface name for NCCL/Gloo sockets (:mod:`topomesh.launch.ifname`)."""
+    rdzv_host: str | None = None
+    """The rendezvous endpoint's host, which ``auto`` finds the interface towards (default:
+    the workers' ``MASTER_ADDR``)."""
 
     def __post_init__(self) -> None:
         if (self.mode is TopologyMode.FILE) != (self.path is not None):
@@ -117,9 +123,12 @@ class TopologyAgent(LocalElasticAgent):
         self._host: Host | None = None
         self._local_probes: dict[tuple[str | None, ...], tuple[tuple[str, str, float, float], ...]] = {}
         self._rounds = 0
+        self._ifname: str | None = None
+        self._ifname_chosen = False
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
+        self._choose_ifname(worker_group)
         self._topology_file = None
         if self._topology.mode is TopologyMode.OFF:
             return
@@ -148,6 +157,30 @@ class TopologyAgent(LocalElasticAgent):
         super()._set_local_rank_env(worker_env, local_rank, spec)
         if self._topology_file is not None:
             worker_env[api.ENV_VAR] = self._topology_file
+        worker_env.update(ifname.worker_env(self._ifname, {**os.environ, **{k: v for k, v in worker_env.items() if v}}))
+
+    def _choose_ifname(self, wg: WorkerGroup) -> None:
+        """Once per agent: the interface that reaches the rendezvous host (``--socket-ifname``)."""
+        if self._ifname_chosen:
+            return
+        self._ifname_chosen = True
+        opt = self._topology.socket_ifname
+        target = self._topology.rdzv_host or wg.master_addr
+        try:
+            self._ifname = ifname.choose(opt, target)
+        except LaunchError as exc:
+            log.warning("topomesh: %s; NCCL/Gloo choose their own interface", exc)
+            return
+        given = [v for v in ifname.ENV_VARS if v in os.environ]
+        if self._ifname is None:
+            if opt == ifname.AUTO:
+                log.warning("topomesh: no local interface holds the address that reaches %s; "
+                            "NCCL/Gloo choose their own interface", target)
+        else:
+            how = f"reaches the rendezvous host {target}" if opt == ifname.AUTO else "given"
+            kept = f"; kept the user's {', '.join(given)}" if given else ""
+            # one line per node, shown by default (info is not): the choice decides whether jobs hang
+            log.warning("topomesh: workers' socket interface %s (%s)%s", self._ifname, how, kept)
 
     # -- one round --------------------------------------------------------------------
 
@@ -166,6 +199,8 @@ class TopologyAgent(LocalElasticAgent):
         run_id = spec.rdzv_handler.get_run_id()
         if self._host is None:
             self._host = discover_local_host()
+            if self._ifname is not None:  # recorded per node in the file
+                self._host = dataclasses.replace(self._host, socket_ifname=self._ifname)
         host = self._host
         devs = local_devices(host, spec.local_world_size, visible_devices())
         slots = tuple(

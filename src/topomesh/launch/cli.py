@@ -12,7 +12,8 @@ exit code behaves as with torchrun. Usage::
 
 Topology options (before the script name): ``--topology {auto,off,PATH}``,
 ``--topology-probe``, ``--topology-dir DIR``, ``--topology-form {auto,dense,compact}``,
-``--topology-timeout SECONDS``, ``--topology-probe-budget SECONDS``.
+``--topology-timeout SECONDS``, ``--topology-probe-budget SECONDS``, ``--socket-ifname
+{auto,off,NAME}`` (needs the topology agent: nothing is set with ``--topology off``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from topomesh.errors import LaunchError
+from topomesh.launch import ifname
 from topomesh.topology import api
 
 _MODES = ("auto", "off")
@@ -100,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="time box for probing one peer node (default 2)",
     )
+    group.add_argument(
+        "--socket-ifname",
+        default=os.environ.get("TOPOMESH_SOCKET_IFNAME", "auto"),
+        metavar="{auto,off,NAME}",
+        help="NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for workers that have none: auto = the "
+        "interface that reaches the rendezvous endpoint (default), off = leave them unset, NAME = "
+        "this value. A value the user set always wins. Env: TOPOMESH_SOCKET_IFNAME.",
+    )
     parser.full_name_only = frozenset(group._group_actions)  # type: ignore[attr-defined]
     return parser
 
@@ -128,7 +138,18 @@ def options_from_args(args: argparse.Namespace) -> Any:
         probe=args.topology_probe,
         probe_budget_s=args.topology_probe_budget,
         timeout_s=args.topology_timeout,
+        socket_ifname=ifname.check_mode(args.socket_ifname),
+        rdzv_host=_rdzv_host(args),
     )
+
+
+def _rdzv_host(args: argparse.Namespace) -> str | None:
+    """The host of the rendezvous endpoint the agents meet at (``--standalone``: this one)."""
+    if args.standalone:
+        return "localhost"
+    if args.rdzv_backend == "static":
+        return args.master_addr
+    return ifname.rdzv_host_of(args.rdzv_endpoint)
 
 
 @contextlib.contextmanager

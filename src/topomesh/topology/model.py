@@ -196,6 +196,9 @@ class Host:
     devices: tuple[Device, ...] = ()
     nics: tuple[Nic, ...] = ()
     paths: tuple[Path, ...] = ()
+    socket_ifname: str | None = None
+    """The network interface this node's workers use for NCCL/Gloo sockets (the one that
+    reaches the rendezvous endpoint), when ``topomesh launch`` chose or was given one."""
     _index: dict[frozenset[str], Path] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -223,7 +226,7 @@ class Host:
         if not isinstance(hostname, str) or not hostname:
             raise TopologyError(f"a host name must be a non-empty string, got {hostname!r}")
         new = object.__new__(Host)
-        for name in ("devices", "nics", "paths", "_index"):
+        for name in ("devices", "nics", "paths", "socket_ifname", "_index"):
             object.__setattr__(new, name, getattr(self, name))
         object.__setattr__(new, "hostname", hostname)
         return new
@@ -260,12 +263,15 @@ class Host:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form, used to exchange hosts through the rendezvous store."""
-        return {
+        out: dict[str, Any] = {
             "hostname": self.hostname,
             "devices": [_fields(d) for d in self.devices],
             "nics": [_fields(n) for n in self.nics],
             "paths": [_fields(p) for p in self.paths],
         }
+        if self.socket_ifname is not None:  # absent when unset: older files stay byte-identical
+            out["socket_ifname"] = self.socket_ifname
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "host") -> Host:
@@ -288,7 +294,10 @@ class Host:
             hostname = data["hostname"]
             if not isinstance(hostname, str) or not hostname:
                 raise TypeError("hostname must be a non-empty string")
-            return cls(hostname=hostname, devices=devices, nics=nics, paths=paths)
+            ifname = data.get("socket_ifname")
+            if ifname is not None and not (isinstance(ifname, str) and ifname.isprintable() and 0 < len(ifname) <= 255):
+                raise TypeError(f"socket_ifname must be a non-empty printable string, got {ifname!r}")
+            return cls(hostname=hostname, devices=devices, nics=nics, paths=paths, socket_ifname=ifname)
         except TopologyError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -53,7 +53,7 @@ def to_dict(topo: Topology) -> dict[str, Any]:
     template_list: list[dict[str, Any]] = []
     hosts: list[list[Any]] = []
     for h in topo.hosts:
-        key = (h.devices, h.nics, h.paths)
+        key = (h.devices, h.nics, h.paths, h.socket_ifname)
         if key not in templates:
             templates[key] = len(template_list)
             d = h.to_dict()

@@ -1,0 +1,19 @@
+"""Worker that reports its socket-interface variables and its host's record in the file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from topomesh.topology.api import load_topology
+
+rank = int(os.environ["RANK"])
+topo = load_topology()
+report = {
+    "rank": rank,
+    "env": {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")},
+    "host_ifname": topo.host_of(rank).socket_ifname,
+    "cpus": sorted(os.sched_getaffinity(0)),
+}
+Path(os.environ["CHECK_OUT"], f"rank{rank}.json").write_text(json.dumps(report))
