@@ -35,7 +35,11 @@ def test_trace_table(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "message"),
     [
         (["trace", "gpt-9000"], "Unknown model preset 'gpt-9000'"),
-        (["trace", "tiny-gpt", "--tp", "0"], "--tp must be at least 1, got 0"),
+        (["trace", "tiny-gpt", "--layout", "tp=0"], "layout entry 'tp=0' is not AXIS=DEGREE"),
+        (["trace", "tiny-llama", "--ep", "2"], "topomesh: error: ep=2 needs a mixture-of-experts model; tiny-llama is dense."),
+        (["trace", "tiny-moe", "--ep", "3"], "topomesh: error: ep=3 does not divide the 4 experts of tiny-moe."),
+        (["trace", "tiny-llama", "--pp", "3"],
+         "topomesh: error: pp=3 pipeline stages need at least as many layers; tiny-llama has 2."),
         (["trace", "tiny-gpt", "--tp", "2", "--mixed-precision"], "Mixed precision (param_dtype/reduce_dtype) is applied by FSDP2"),
         (["trace", "tiny-llama", "--cp", "3"], "Context parallel degree 3 needs a sequence length divisible by 2·3 = 6"),
     ],

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from topomesh.cli.argtypes import MAX_RANKS_PER_HOST, bounded_int, positive_seconds
 from topomesh.cost.calibrate import add_sweep_arguments, config_from_args, spawn_local, worker
 from topomesh.cost.collectives import builtin_profile, builtin_profile_names, load_profile
 from topomesh.errors import CalibrationError
@@ -25,11 +26,11 @@ HELP = "Measure this cluster's collectives over message and group sizes, fit cos
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--local", type=int, metavar="N", default=None,
+    p.add_argument("--local", type=bounded_int(1, MAX_RANKS_PER_HOST), metavar="N", default=None,
                    help="spawn N local worker processes (one node, loopback) instead of running under a launcher")
     p.add_argument("--show", metavar="PROFILE", default=None,
                    help=f"print a profile: a JSON file or a built-in name ({', '.join(builtin_profile_names())})")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before --local workers are stopped")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds before --local workers are stopped")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_sweep_arguments(p)
 

@@ -9,22 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from topomesh.cli.argtypes import MAX_RANKS_PER_HOST, bounded_int
 from topomesh.cli.show import add_output_arguments, emit
 from topomesh.topology import api
 from topomesh.topology.build import single_host_topology
 from topomesh.topology.discover import ENV_SYSFS_ROOT, discover_host
 
 HELP = "Discover this machine's GPUs, NICs and links; print them or write a v0.1 topology file."
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 process, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"read sysfs from DIR instead of / (default: ${ENV_SYSFS_ROOT}, else /)",
     )
     parser.add_argument(
-        "--nproc", type=_positive, metavar="N", help="ranks on this host (default: one per GPU, else per NUMA node)"
+        "--nproc", type=bounded_int(1, MAX_RANKS_PER_HOST), metavar="N",
+        help=f"ranks on this host, at most {MAX_RANKS_PER_HOST} (default: one per GPU, else per NUMA node)",
     )
     parser.add_argument(
         "--form",

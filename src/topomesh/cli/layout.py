@@ -14,9 +14,10 @@ import sys
 
 from rich.console import Console
 
+from topomesh.cli.argtypes import MAX_HOSTS, MAX_RANKS, bounded_int
 from topomesh.errors import LayoutError
 from topomesh.layout.api import resolve_layout
-from topomesh.layout.dims import Axis, merge_degrees, parse_degrees
+from topomesh.layout.dims import MAX_DEGREE, Axis, merge_degrees, parse_degrees
 from topomesh.layout.place import Strategy
 from topomesh.report.layout import layout_to_dict, render_layout
 from topomesh.topology.api import read_source
@@ -30,15 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SOURCE", help="topology file (v0.1/compact JSON, NCCL XML, nvidia-smi topo -m)")
     for axis in Axis:
         flag = "--" + axis.value.replace("_", "-")
-        parser.add_argument(flag, dest=axis.value, type=int, default=1, metavar="N",
+        parser.add_argument(flag, dest=axis.value, type=bounded_int(1, MAX_DEGREE, rest=True), default=1, metavar="N",
                             help=f"{axis.value} degree (default 1; -1 = the rest of the world)")
-    parser.add_argument("--dp", dest="dp_alias", type=int, default=None, metavar="N", help="alias of --dp-replicate")
+    parser.add_argument("--dp", dest="dp_alias", type=bounded_int(1, MAX_DEGREE, rest=True), default=None, metavar="N",
+                        help="alias of --dp-replicate")
     parser.add_argument("--layout", default=None, metavar="AXIS=N,...",
                         help="the degrees as one spec, e.g. tp=8,pp=2,dp_shard=-1 (same as the flags)")
     parser.add_argument("--order", default=None, help="axes fastest first, e.g. tp-cp-ep-dp_shard-dp_replicate-pp (the default)")
     parser.add_argument("--strategy", choices=[s.value for s in Strategy], default=Strategy.TOPOLOGY.value,
                         help="topology: locality-aware placement (default); rank-order: logical rank i on rank i")
-    parser.add_argument("--hosts", type=int, default=None, metavar="N", help="repeat a one-host SOURCE into N hosts")
+    parser.add_argument("--hosts", type=bounded_int(1, MAX_HOSTS), default=None, metavar="N",
+                        help=f"repeat a one-host SOURCE into N hosts (at most {MAX_HOSTS})")
     parser.add_argument("--rank-order", choices=["contiguous", "round-robin"], default="contiguous",
                         help="with --hosts: how ranks are numbered over the hosts")
     parser.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
@@ -49,6 +52,9 @@ def _replicate(topo: Topology, n: int, round_robin: bool) -> Topology:
         raise LayoutError(f"--hosts needs a one-host SOURCE, this one has {len(topo.hosts)} hosts")
     if n < 1:
         raise LayoutError(f"--hosts must be at least 1, got {n}")
+    if n * topo.world_size > MAX_RANKS:
+        raise LayoutError(f"--hosts {n} of {topo.world_size} ranks each make {n * topo.world_size} ranks, more than "
+                          f"the {MAX_RANKS} topomesh handles")
     base = topo.hosts[0]
     hosts = [base.renamed(f"{base.hostname}-{i}") for i in range(n)]
     per = topo.world_size

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from topomesh.cli.argtypes import MAX_BATCH, MAX_SEQ_LEN, MAX_THREADS, bounded_int, positive_seconds
 from topomesh.cost.devices import current_device_spec, device_fingerprint, device_spec
 from topomesh.cost.opdb import OpProfileDB, default_db_path
 from topomesh.cost.ops import CostSummary, ProfileRun, cost_summary, profile_ops, records_from_json
@@ -36,16 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="JSON list of op records (see docs/cost.md for the format)")
     p.add_argument("--layout", default="dp_shard=1", metavar="AXIS=N,...",
                    help="mesh axes and degrees for --model, e.g. tp=2,dp_shard=2 (pp is left out of a trace)")
-    p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per rank (default 1)")
+    p.add_argument("--seq-len", type=bounded_int(1, MAX_SEQ_LEN), default=None, help="override the preset's sequence length")
+    p.add_argument("--batch-size", type=bounded_int(1, MAX_BATCH), default=1, help="micro-batch size per rank (default 1)")
     p.add_argument("--dtype", default="bfloat16", help="training dtype for --model (default bfloat16)")
     p.add_argument("--device", default="cpu", help="torch device to profile on: cpu or cuda[:i] (default cpu)")
     p.add_argument("--db", type=Path, default=None, help=f"op-profile SQLite file (default {default_db_path()})")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads while profiling (part of the key)")
+    p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
+                   help="torch CPU threads while profiling (part of the key)")
     p.add_argument("--spec", default=None, help="device spec for the roofline of unprofiled ops "
                    "(default: this device; e.g. H100-SXM5-80GB)")
     p.add_argument("--no-profile", action="store_true", help="only price the records with what the table has")
-    p.add_argument("--max-seconds", type=float, default=None,
+    p.add_argument("--max-seconds", type=positive_seconds, default=None,
                    help="stop starting new ops after this many seconds (the rest: roofline, profiled next run)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 

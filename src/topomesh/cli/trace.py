@@ -19,8 +19,9 @@ import sys
 
 import torch
 
+from topomesh.cli.argtypes import MAX_BATCH, MAX_SEQ_LEN, bounded_int
 from topomesh.errors import LayoutError
-from topomesh.layout.dims import merge_degrees, parse_degrees
+from topomesh.layout.dims import MAX_DEGREE, merge_degrees, parse_degrees
 
 HELP = "Trace a model's training step under a layout (fake tensors, one CPU process): ops, FLOPs, collectives."
 
@@ -34,12 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", metavar="MODEL_PRESET", help=f"one of: {', '.join(PRESETS)}")
     for axis in _AXES:
-        p.add_argument(f"--{axis.replace('_', '-')}", dest=axis, type=int, default=1, metavar="N",
+        p.add_argument(f"--{axis.replace('_', '-')}", dest=axis, type=bounded_int(1, MAX_DEGREE), default=1, metavar="N",
                        help=f"degree of the {axis} mesh axis (default 1)")
     p.add_argument("--layout", default=None, metavar="AXIS=N,...",
                    help="the degrees as one spec, e.g. tp=8,dp_shard=8 (same as the flags)")
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per data-parallel rank")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the preset's)")
+    p.add_argument("--batch-size", type=bounded_int(1, MAX_BATCH), default=1, help="micro-batch size per data-parallel rank")
+    p.add_argument("--seq-len", type=bounded_int(1, MAX_SEQ_LEN), default=None,
+                   help="sequence length (default: the preset's)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
                    help="compute dtype (and the parameters' dtype without --mixed-precision)")
     p.add_argument("--mixed-precision", action="store_true",
@@ -69,9 +71,7 @@ def run(args: argparse.Namespace) -> int:
     layout = {a: getattr(args, a) for a in _AXES if getattr(args, a) != 1}
     if args.layout:
         layout = merge_degrees(layout, parse_degrees(args.layout))
-    for a, d in layout.items():
-        if d < 1:
-            raise LayoutError(f"--{a.replace('_', '-')} must be at least 1, got {d}.")
+    _check_model_layout(cfg, layout)  # degrees are >= 1: the flags' type and parse_degrees check that
     compute = _DTYPES[args.dtype]
     mixed = {"param_dtype": compute, "reduce_dtype": torch.float32} if args.mixed_precision else {}
     options = ParallelOptions(sequence_parallel=not args.no_sp, checkpointing=Checkpointing(args.checkpointing),
@@ -111,6 +111,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(doc)
     return 0
+
+
+def _check_model_layout(cfg: object, layout: dict[str, int]) -> None:
+    """Degrees the model cannot take, refused before tracing: expert parallelism on a dense
+    model (it would trace a plain replica and report ep groups that do nothing), and more
+    pipeline stages than layers."""
+    ep, pp = layout.get("ep", 1), layout.get("pp", 1)
+    if ep > 1 and not cfg.n_experts:
+        raise LayoutError(f"ep={ep} needs a mixture-of-experts model; {cfg.name} is dense.")
+    if ep > 1 and cfg.n_experts % ep:
+        raise LayoutError(f"ep={ep} does not divide the {cfg.n_experts} experts of {cfg.name}.")
+    if pp > cfg.n_layers:
+        raise LayoutError(f"pp={pp} pipeline stages need at least as many layers; {cfg.name} has {cfg.n_layers}.")
 
 
 def _by_kind(summary: object) -> dict[str, dict[str, int]]:

@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from topomesh.cli.argtypes import positive_seconds
 from topomesh.errors import LaunchError
 from topomesh.launch import ifname
 from topomesh.topology import api
@@ -90,14 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--topology-timeout",
-        type=float,
+        type=positive_seconds,
         default=120.0,
         metavar="SECONDS",
         help="how long to wait for the other nodes' topology after each rendezvous (default 120)",
     )
     group.add_argument(
         "--topology-probe-budget",
-        type=float,
+        type=positive_seconds,
         default=2.0,
         metavar="SECONDS",
         help="time box for probing one peer node (default 2)",

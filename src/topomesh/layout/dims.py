@@ -27,6 +27,7 @@ logical position is the placement's business (:mod:`topomesh.layout.place`).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -63,33 +64,64 @@ class Axis(StrEnum):
             raise LayoutError(f"unknown parallel axis {text!r}; the axes are {names} (and dp)") from None
 
 
+MAX_DEGREE = 1 << 20
+"""The largest degree of one axis: the largest world topomesh handles (1,048,576 ranks, the
+compact file form's limit)."""
+
+_DECIMAL = re.compile(r"(?:0|[1-9][0-9]{0,17})")
+"""Plain ASCII decimal digits, no sign, underscore or leading zero, at most 18 of them."""
+
+
+def parse_decimal(text: str) -> int | None:
+    """``text`` as a whole number when it is plain ASCII decimal digits, else None.
+
+    Python's ``int()`` also reads ``+4``, ``4_0`` (as 40), `` 4 `` and digits of other
+    scripts (``٤``); a degree, a count or a size written any of those ways is a typo or a
+    trick, and is refused instead of read as something else.
+
+    >>> parse_decimal("40"), parse_decimal("0")
+    (40, 0)
+    >>> [parse_decimal(t) for t in ("+4", "4_0", "\u0664", "04", "-1", "", "4.0")]
+    [None, None, None, None, None, None, None]
+    """
+    return int(text) if isinstance(text, str) and _DECIMAL.fullmatch(text) else None
+
+
 def parse_degrees(text: str, *, allow_rest: bool = False) -> dict[str, int]:
     """A layout written as ``AXIS=DEGREE`` pairs, as every command's ``--layout`` takes it.
 
-    Axis names are normalized (``dp`` is ``dp_replicate``). With ``allow_rest`` one degree
-    may be ``-1``: the rest of the world (:func:`topomesh.layout.api.resolve_layout`).
+    Axis names are normalized (``dp`` is ``dp_replicate``). A degree is plain ASCII digits
+    (:func:`parse_decimal`) from 1 to :data:`MAX_DEGREE`; with ``allow_rest`` one degree may
+    be ``-1``: the rest of the world (:func:`topomesh.layout.api.resolve_layout`). Spaces
+    around entries are allowed, empty entries (``tp=2,,pp=2``) are not.
 
     >>> parse_degrees("tp=8, dp=2")
     {'tp': 8, 'dp_replicate': 2}
     >>> parse_degrees("tp=2,dp_shard=-1", allow_rest=True)
     {'tp': 2, 'dp_shard': -1}
     """
+    parts = [x.strip() for x in str(text).split(",")]
+    if not any(parts):
+        raise LayoutError(f"the layout {text!r} has no AXIS=DEGREE pairs; write e.g. tp=8,pp=2")
     out: dict[str, int] = {}
-    for part in filter(None, (x.strip() for x in text.split(","))):
+    for part in parts:
+        if not part:
+            raise LayoutError(f"the layout {text!r} has an empty entry (two commas in a row, or one at an "
+                              "end); write e.g. tp=8,pp=2")
         name, eq, degree = part.partition("=")
-        try:
-            value = int(degree) if eq else 0
-        except ValueError:
-            value = 0
-        if not (value >= 1 or (allow_rest and value == -1)):
+        degree = degree.strip()
+        value = -1 if allow_rest and degree == "-1" else parse_decimal(degree)
+        if not eq or value is None or value == 0:
             want = "a positive integer" + (" or -1 (the rest)" if allow_rest else "")
-            raise LayoutError(f"layout entry {part!r} is not AXIS=DEGREE with {want} as the degree")
+            raise LayoutError(f"layout entry {part!r} is not AXIS=DEGREE with {want} as the degree, written in "
+                              "plain ASCII digits (no sign, underscore or leading zero)")
+        if value > MAX_DEGREE:
+            raise LayoutError(f"layout entry {part!r}: the degree {value} is more than {MAX_DEGREE}, the largest "
+                              "world topomesh handles")
         axis = Axis.parse(name).value
         if axis in out:
             raise LayoutError(f"the degree of {axis} is given twice in the layout {text!r}")
         out[axis] = value
-    if not out:
-        raise LayoutError(f"the layout {text!r} has no AXIS=DEGREE pairs; write e.g. tp=8,pp=2")
     return out
 
 
