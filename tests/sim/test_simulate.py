@@ -29,6 +29,13 @@ def wide16() -> Simulator:
     return Simulator(model=builtin_model(WIDE), cluster=load_cluster("dgx-h100", gpus=16))
 
 
+def test_a_class_is_traced_once():
+    sim = Simulator(model=builtin_model(get_preset("tiny-llama")), cluster=load_cluster("dgx-h100", gpus=8))
+    for layout in (Layout(tp=2, dp_shard=4), Layout(dp_shard=4, tp=2, order="dp_shard-tp")):
+        sim.simulate(layout, Training(global_batch=8))
+    assert (sim.cache.misses, sim.cache.hits) == (1, 1)  # the order does not change a rank's trace
+
+
 def test_breakdown_accounts_for_every_second(wide16):
     for layout, training in [
         (Layout(tp=8, dp_shard=2), Training(global_batch=4)),

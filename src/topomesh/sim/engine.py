@@ -200,6 +200,22 @@ class StagePlan:
     backward_input: tuple[Piece, ...]
     backward_weight: tuple[Piece, ...]
     optimizer: tuple[Piece, ...]
+    forward_later: tuple[Piece, ...] | None = None
+    """Forward of every micro-batch but the stage's first, when it differs (FSDP under a
+    pipeline gathers parameters once per step: PyTorch's stage keeps them unsharded)."""
+    backward_early: tuple[Piece, ...] | None = None
+    """Backward (or W) of every micro-batch but the stage's last, when it differs (FSDP under
+    a pipeline reduces gradients only in the last backward: no gradient sync before)."""
+    backward_weight_early: tuple[Piece, ...] | None = None
+
+    def pieces(self, kind: Kind, first: bool, last: bool) -> tuple[Piece, ...]:
+        if kind is Kind.F:
+            return self.forward if first or self.forward_later is None else self.forward_later
+        if kind is Kind.I:
+            return self.backward_input
+        if kind is Kind.W:
+            return self.backward_weight if last or self.backward_weight_early is None else self.backward_weight_early
+        return self.backward if last or self.backward_early is None else self.backward_early
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,6 +236,14 @@ def simulate_pipeline(
     """Run every pipeline rank's actions; ``plans[s]`` prices global stage ``s``,
     ``stage_rank[s]`` is the rank holding it, ``p2p_s`` one boundary send."""
     ranks = [RankState(spans=[] if record else None) for _ in actions]
+    firsts: dict[int, int] = {}  # stage -> its first forward's micro-batch
+    lasts: dict[tuple[int, Kind], int] = {}  # (stage, B or W) -> its last micro-batch
+    for acts in actions:
+        for a in acts:
+            if a.kind is Kind.F:
+                firsts.setdefault(a.stage, a.mb)
+            else:
+                lasts[(a.stage, a.kind)] = a.mb
     done: dict[tuple[int, str, int], float] = {}
     idx = [0] * len(actions)
     last = len(plans) - 1
@@ -245,10 +269,9 @@ def simulate_pipeline(
                         state.span("compute", "bubble" if wait > p2p_part else "p2p wait", state.compute_free, arrive)
                         ready = arrive
                 state.compute_free = ready
-                plan = plans[a.stage]
-                pieces = {Kind.F: plan.forward, Kind.B: plan.backward, Kind.I: plan.backward_input,
-                          Kind.W: plan.backward_weight}[a.kind]
-                run_pieces(state, pieces)
+                first_mb = a.kind is Kind.F and firsts.get(a.stage) == a.mb
+                last_mb = a.kind is not Kind.F and lasts.get((a.stage, a.kind)) == a.mb
+                run_pieces(state, plans[a.stage].pieces(a.kind, first_mb, last_mb))
                 done[(a.stage, "B" if a.kind is Kind.I else a.kind.value, a.mb)] = state.compute_free
                 idx[r] += 1
                 remaining -= 1

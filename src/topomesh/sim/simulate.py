@@ -222,8 +222,9 @@ def trace_layout(model: Model, layout: Layout, training: Training, cache: TraceC
     degrees = {a.value: layout.degree(a) for a in layout.mesh_axes if a is not Axis.PP}
     mixed = mixed_precision(layout, training)
     dtype = torch.float32 if mixed else DTYPES[training.dtype]
-    return (cache or TraceCache()).get(model.spec, model.parallelize(training, mixed), degrees,
-                                       batch_size=training.micro_batch, dtype=dtype)
+    cache = cache if cache is not None else TraceCache()  # an empty cache is falsy (it has a length)
+    return cache.get(model.spec, model.parallelize(training, mixed), degrees,
+                     batch_size=training.micro_batch, dtype=dtype)
 
 
 def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training, *,
@@ -268,7 +269,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     interleave = training.interleave if schedule.multi_stage else 1
     stages = stage_count(schedule, pp, interleave) if pp > 1 else 1
     layers = split_layers(model.spec.n_layers, stages)
-    plans = [_stage_plan(priced, s, stages, n) for s, n in enumerate(layers)]
+    plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
     actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
     stage_rank = [0] * stages
     for r in range(pp):
@@ -293,7 +294,25 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
                    interleave)
 
 
-def _stage_plan(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
+def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool = False) -> StagePlan:
+    """The pieces of global stage ``s`` (``n`` blocks). Under a pipeline, PyTorch's stage runs
+    FSDP without resharding and without gradient sync until the last backward
+    (``PipelineStage.backward_maybe_with_nosync``): parameters are gathered in the stage's
+    first forward only and gradients reduced in its last backward only."""
+    plan = _pieces(p, s, stages, n)
+    if not pipelined:
+        return plan
+
+    def strip(pieces: tuple[Piece, ...], what: str) -> tuple[Piece, ...]:
+        return tuple(dataclasses.replace(pc, work=dataclasses.replace(pc.work, **{what: ()})) for pc in pieces)
+
+    return dataclasses.replace(
+        plan, backward=strip(plan.backward, "gather"), backward_input=strip(plan.backward_input, "gather"),
+        forward_later=strip(plan.forward, "gather"), backward_early=strip(strip(plan.backward, "gather"), "reduce"),
+        backward_weight_early=strip(plan.backward_weight, "reduce"))
+
+
+def _pieces(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
     first, last = s == 0, s == stages - 1
 
     def pieces(*items: tuple[Work, int, str, bool]) -> tuple[Piece, ...]:
@@ -328,7 +347,10 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
         saved[s] = (p.fwd_block.saved_bytes * layers[s] + (p.fwd_pre.saved_bytes if s == 0 else 0)
                     + (p.fwd_post.saved_bytes if s == last else 0))
         works = [pc.work for pc in (*plans[s].forward, *plans[s].backward)]
-        gathered = max([gathered, *(2 * w.gather_bytes for w in works)])
+        if plans[s].forward_later is not None:  # a pipeline stage keeps all its gathered parameters
+            gathered += sum(pc.work.gather_bytes * pc.count for pc in plans[s].forward)
+        else:  # the gathered piece and the one prefetched
+            gathered = max([gathered, *(2 * w.gather_bytes for w in works)])
         peak_out = max([peak_out, *(w.peak_output_bytes for w in works)])
     live: dict[tuple[int, int], int] = {}
     act_peak = most = 0
