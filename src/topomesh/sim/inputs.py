@@ -17,6 +17,7 @@ import inspect
 import sys
 from pathlib import Path
 
+from topomesh.cli.argtypes import MAX_BATCH, MAX_RANKS, MAX_SEQ_LEN, bounded_int
 from topomesh.errors import LayoutError, ModelConfigError, TopomeshError
 from topomesh.sim.schedules import Schedule
 from topomesh.sim.simulate import DTYPES, RECOMPUTE, Model, Training, builtin_model
@@ -39,24 +40,25 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default=None, metavar="FILE",
                    help="a topology file (anything `topomesh show` reads) instead of --cluster")
     p.add_argument("--device", default=None, help="device of --topology's ranks (default: detected)")
-    p.add_argument("--gpus", type=int, default=None, metavar="N",
+    p.add_argument("--gpus", type=bounded_int(1, MAX_RANKS), default=None, metavar="N",
                    help="world size: the preset's (or the file's) node repeated to N ranks")
 
 
 def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     for axis in AXES:
         flags = [f"--{axis.replace('_', '-')}"] + (["--dp"] if axis == "dp_replicate" else [])
-        p.add_argument(*flags, dest=axis, type=int, default=None, metavar="N", help=f"degree of {axis} (-1: the rest)")
+        p.add_argument(*flags, dest=axis, type=bounded_int(1, MAX_RANKS, rest=True), default=None, metavar="N",
+                       help=f"degree of {axis} (-1: the rest)")
     p.add_argument("--layout", default=None, metavar="AXIS=N,...", help="the degrees as one spec, e.g. tp=8,pp=2,dp_shard=-1")
     p.add_argument("--order", default=None, metavar="A-B-...",
                    help="axis order, fastest first (default tp-cp-ep-dp_shard-dp_replicate-pp)")
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--global-batch", type=int, default=None, metavar="N",
+    p.add_argument("--global-batch", type=bounded_int(1, MAX_BATCH), default=None, metavar="N",
                    help="samples per step (default: data-parallel degree × micro-batch, × 4·pp with a pipeline)")
-    p.add_argument("--micro-batch", type=int, default=1, metavar="N", help="samples per micro-batch (default 1)")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sample (default: the model's)")
+    p.add_argument("--micro-batch", type=bounded_int(1, MAX_BATCH), default=1, metavar="N", help="samples per micro-batch (default 1)")
+    p.add_argument("--seq-len", type=bounded_int(1, MAX_SEQ_LEN), default=None, metavar="N", help="tokens per sample (default: the model's)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="training dtype (default bf16)")
     p.add_argument("--recompute", "--checkpointing", dest="recompute", default="none", choices=RECOMPUTE,
                    help="activation recomputation (default none)")
@@ -64,7 +66,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequence parallel with tensor parallel (default on)")
     p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[s.value for s in Schedule],
                    help="pipeline schedule (default 1f1b)")
-    p.add_argument("--interleave", type=int, default=1, metavar="V", help="virtual stages per pipeline rank")
+    p.add_argument("--interleave", type=bounded_int(1, 1024), default=1, metavar="V", help="virtual stages per pipeline rank")
     p.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=True,
                    help="with FSDP (a dp or cp axis): float32 master weights and optimizer state, "
                         "compute in --dtype, gradients reduced in float32 (default on)")
