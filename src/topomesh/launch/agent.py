@@ -22,6 +22,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -33,7 +34,7 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, Worke
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from topomesh.errors import LaunchError
-from topomesh.launch import exchange, ifname, localprobe, probe
+from topomesh.launch import exchange, ifname, localprobe, numa, probe
 from topomesh.launch.files import run_directory, write_topology_file
 from topomesh.launch.local import discover_local_host, local_devices, visible_devices
 from topomesh.topology import api
@@ -125,10 +126,12 @@ class TopologyAgent(LocalElasticAgent):
         self._rounds = 0
         self._ifname: str | None = None
         self._ifname_chosen = False
+        self._bindings: list[numa.Binding | None] = []  # this round's, by local rank (ours only)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         self._choose_ifname(worker_group)
+        self._bindings = self._plan_numa(worker_group)
         self._topology_file = None
         if self._topology.mode is TopologyMode.OFF:
             return
@@ -158,6 +161,42 @@ class TopologyAgent(LocalElasticAgent):
         if self._topology_file is not None:
             worker_env[api.ENV_VAR] = self._topology_file
         worker_env.update(ifname.worker_env(self._ifname, {**os.environ, **{k: v for k, v in worker_env.items() if v}}))
+        binding = self._bindings[local_rank] if local_rank < len(self._bindings) else None
+        if binding is not None:
+            worker_env[numa.ENV_VAR] = numa.cpulist(binding.cpus)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> Any:
+        if self._bindings:  # we bind: start each worker through topomesh.launch.bind
+            spec = worker_group.spec
+            if isinstance(spec.entrypoint, str) and spec.args[:2] != ("-m", "topomesh.launch.bind"):
+                spec.args = ("-m", "topomesh.launch.bind", spec.entrypoint, *spec.args)
+                spec.entrypoint = sys.executable
+            spec.numa_options = None  # torch's binding needs CUDA, which this agent lacks
+        return super()._start_workers(worker_group)
+
+    def _plan_numa(self, wg: WorkerGroup) -> list[numa.Binding | None]:
+        """Bindings from the topology when ``--numa-binding`` is on and torch's own (CUDA) does
+        not apply; empty when torch binds or nobody asked."""
+        options = getattr(wg.spec, "numa_options", None)
+        if options is None or not isinstance(wg.spec.entrypoint, str):
+            return []
+        if self._host is None:
+            self._host = discover_local_host()
+        host = self._host
+        if torch.cuda.is_available() and host.gpus:
+            return []  # torch's implementation: worker i on the NUMA node of cuda:i
+        from topomesh.topology.discover import ENV_SYSFS_ROOT, read_numa_nodes
+
+        mode = numa.BindMode(str(getattr(options.affinity_mode, "value", options.affinity_mode)))
+        devices = local_devices(host, wg.spec.local_world_size, visible_devices())
+        plan = numa.plan(host, devices, read_numa_nodes(os.environ.get(ENV_SYSFS_ROOT) or "/"), mode,
+                          os.sched_getaffinity(0))
+        if mode in (numa.BindMode.SOCKET, numa.BindMode.CORE_COMPLEX):
+            log.warning("topomesh: --numa-binding %s needs socket/L3 data the topology lacks; binding to NUMA nodes", mode)
+        for i, b in enumerate(plan):
+            where = f"NUMA node {b.numa_node}, CPUs {numa.cpulist(b.cpus)}" if b else "unbound (NUMA node unknown)"
+            log.warning("topomesh: local rank %d (%s): %s", i, devices[i] or "no device", where)
+        return plan
 
     def _choose_ifname(self, wg: WorkerGroup) -> None:
         """Once per agent: the interface that reaches the rendezvous host (``--socket-ifname``)."""
