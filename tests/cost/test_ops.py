@@ -58,7 +58,23 @@ def test_small_mm_is_timed_for_real():
     assert timing.repeats >= 5 and timing.warmup == 2
     assert 0 < timing.median_s < 1.0
     assert timing.key == profile_key(MM)
-    assert "perf_counter" in timing.method
+    assert "perf_counter" in timing.method or "thread_time" in timing.method
+
+
+@pytest.mark.parametrize("threads, clock", [(1, "thread_time"), (2, "perf_counter")])
+def test_one_thread_is_timed_on_the_thread_cpu_clock(threads, clock):
+    """With one torch thread the op runs on the calling thread: its CPU clock leaves out time
+    spent waiting for a core on a loaded machine; with more threads the wall clock counts."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timing = time_op(MM, "cpu", min_repeats=5, budget_s=0.01)
+    finally:
+        torch.set_num_threads(before)
+    assert timing.method.startswith(f"cpu {clock}, {threads} threads")
+    assert 0 < timing.median_s < 1.0
 
 
 @pytest.mark.parametrize(

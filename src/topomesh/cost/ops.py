@@ -305,7 +305,8 @@ def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repea
             max_repeats: int = 50, budget_s: float = 0.2) -> OpTiming:
     """Run ``record``'s op for real and return its median time.
 
-    CPU: ``perf_counter`` around each call. CUDA: a pair of ``torch.cuda.Event`` s around
+    CPU: ``time.thread_time`` (the thread's CPU clock) around each call with one torch
+    thread, ``perf_counter`` with more. CUDA: a pair of ``torch.cuda.Event`` s around
     each call on the current stream, read after ``torch.cuda.synchronize``. Repeats stop
     at ``max_repeats`` or once ``min_repeats`` ran and ``budget_s`` is spent.
     Raises any error the op raises (the caller records it as unprofilable), and
@@ -343,15 +344,20 @@ def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repea
             times = [start.elapsed_time(end) / 1e3 for start, end in events]
             method = f"cuda events, torch {torch.__version__}"
         else:
+            # One thread: the calling thread's CPU clock, so time spent waiting for a core on
+            # a machine others load is not counted as the op's; more threads: wall clock.
+            threads = torch.get_num_threads()
+            clock = time.thread_time if threads == 1 else time.perf_counter
             for _ in range(warmup):
                 run()
             times = []
             begin = time.perf_counter()
             while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - begin < budget_s):
-                t0 = time.perf_counter()
+                t0 = clock()
                 run()
-                times.append(time.perf_counter() - t0)
-            method = f"cpu perf_counter, {torch.get_num_threads()} threads, torch {torch.__version__}"
+                times.append(clock() - t0)
+            method = (f"cpu {'thread_time' if threads == 1 else 'perf_counter'}, {threads} threads, "
+                      f"torch {torch.__version__}")
     return OpTiming(key=profile_key(record), median_s=statistics.median(times), repeats=len(times),
                     warmup=warmup, method=method)
 
