@@ -157,6 +157,46 @@ def run_pieces(state: RankState, pieces: Sequence[Piece]) -> None:
                         done += k
 
 
+def run_action(state: RankState, pieces: Sequence[Piece], memo: dict | None) -> None:
+    """:func:`run_pieces`, memoized on the state relative to the compute clock.
+
+    The engine's update is max-plus linear: shifting every time of the state by ``c`` shifts
+    every result by ``c``. So an action that starts from the same relative state (streams and
+    pending reductions measured from the compute clock, clamped at it: a stream free before
+    the clock behaves as free at the clock) ends in the same relative state with the same
+    bookings. Pipeline schedules repeat actions in that state over and over.
+    """
+    if memo is None or state.spans is not None:
+        run_pieces(state, pieces)
+        return
+    t = state.compute_free
+    rel = (*(max(state.stream_free[s], t) - t for s in _STREAMS), max(state.reduce_end, t) - t)
+    key = (id(pieces), rel)
+    hit = memo.get(key)
+    if hit is None:
+        compute, exposed, reduce_end = state.compute_s, dict(state.exposed), state.reduce_end
+        run_pieces(state, pieces)
+        delta = (
+            state.compute_free - t,
+            tuple(max(state.stream_free[s], state.compute_free) - t for s in _STREAMS),
+            max(state.reduce_end, state.compute_free) - t,
+            state.reduce_axis if state.reduce_end > reduce_end else None,
+            state.compute_s - compute,
+            {k: v - exposed.get(k, 0.0) for k, v in state.exposed.items() if v != exposed.get(k, 0.0)},
+        )
+        memo[key] = (pieces, delta)  # the pieces are kept alive so their id stays theirs
+        return
+    d_free, d_streams, d_reduce, axis, d_compute, d_exposed = hit[1]
+    state.compute_free = t + d_free
+    for s, d in zip(_STREAMS, d_streams, strict=True):
+        state.stream_free[s] = t + d
+    if axis is not None:  # the action's reductions end last; otherwise the pending end stands
+        state.reduce_end, state.reduce_axis = t + d_reduce, axis
+    state.compute_s += d_compute
+    for k, v in d_exposed.items():
+        state.exposed[k] = state.exposed.get(k, 0.0) + v
+
+
 def _start_time(state: RankState, pending: tuple[float, str]) -> float:
     return max(state.compute_free, pending[0])
 
@@ -245,6 +285,7 @@ def simulate_pipeline(
             else:
                 lasts[(a.stage, a.kind)] = a.mb
     done: dict[tuple[int, str, int], float] = {}
+    memo: dict = {}
     idx = [0] * len(actions)
     last = len(plans) - 1
     remaining = sum(len(a) for a in actions)
@@ -271,7 +312,7 @@ def simulate_pipeline(
                 state.compute_free = ready
                 first_mb = a.kind is Kind.F and firsts.get(a.stage) == a.mb
                 last_mb = a.kind is not Kind.F and lasts.get((a.stage, a.kind)) == a.mb
-                run_pieces(state, plans[a.stage].pieces(a.kind, first_mb, last_mb))
+                run_action(state, plans[a.stage].pieces(a.kind, first_mb, last_mb), memo)
                 done[(a.stage, "B" if a.kind is Kind.I else a.kind.value, a.mb)] = state.compute_free
                 idx[r] += 1
                 remaining -= 1
