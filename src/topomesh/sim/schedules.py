@@ -18,6 +18,7 @@ backward, one after the other (gradient accumulation).
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 from enum import StrEnum
@@ -105,7 +106,16 @@ def _stand_in(stage: int, stages: int, pp: int, rank: int) -> object:
 
 def action_order(schedule: Schedule | str, *, pp: int, microbatches: int, interleave: int = 1) -> list[list[Action]]:
     """Compute actions of every pipeline rank in the order PyTorch's schedule runs them."""
-    schedule = Schedule(schedule)
+    return [list(acts) for acts in _action_order(Schedule(schedule), pp, microbatches, interleave)]
+
+
+@functools.lru_cache(maxsize=256)
+def _action_order(schedule: Schedule, pp: int, microbatches: int, interleave: int) -> tuple[tuple[Action, ...], ...]:
+    """:func:`action_order`, built once per argument set (torch's constructors take tens of ms)."""
+    return tuple(tuple(acts) for acts in _build_order(schedule, pp, microbatches, interleave))
+
+
+def _build_order(schedule: Schedule, pp: int, microbatches: int, interleave: int) -> list[list[Action]]:
     if pp < 1 or microbatches < 1:
         raise LayoutError(f"a pipeline needs pp >= 1 and micro-batches >= 1, got pp={pp}, micro-batches={microbatches}.")
     if pp == 1 and not schedule.multi_stage:
