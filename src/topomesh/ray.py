@@ -99,7 +99,7 @@ def _choose_ifname(mode: str, master: str) -> str | None:
         logging.getLogger("topomesh.ray").warning("topomesh: %s; NCCL/Gloo choose their own interface", exc)
         return None
     if name is not None:
-        logging.getLogger("topomesh.ray").warning(
+        logging.getLogger("topomesh.ray").info(
             "topomesh: workers' socket interface %s on %s (towards %s)", name, _node_address(), master)
     return name
 

@@ -15,5 +15,6 @@ report = {
     "env": {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")},
     "host_ifname": topo.host_of(rank).socket_ifname,
     "cpus": sorted(os.sched_getaffinity(0)),
+    "binding": topo.host_of(rank).numa_binding(int(os.environ["LOCAL_RANK"])),
 }
 Path(os.environ["CHECK_OUT"], f"rank{rank}.json").write_text(json.dumps(report))

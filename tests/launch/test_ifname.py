@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 
@@ -79,11 +78,10 @@ def test_workers_get_lo_for_a_loopback_endpoint(agents: Agents) -> None:
     reports = agents.reports()
     assert [r["env"] for r in reports] == [{"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}] * 2
     assert [r["host_ifname"] for r in reports] == ["lo", "lo"]  # recorded for the node in the file
-    assert "workers' socket interface lo (reaches the rendezvous host localhost)" in agents.log(a)
     for f in agents.out.glob("rank*.json"):
         f.unlink()
     # the user's own setting wins; the other variable is still set
     b = agents.start("b", args, env={"NCCL_SOCKET_IFNAME": "eth7"}, script=[str(WORKER)])
     assert agents.wait(b) == 0, agents.log(b)[-3000:]
     assert [r["env"] for r in agents.reports()] == [{"NCCL_SOCKET_IFNAME": "eth7", "GLOO_SOCKET_IFNAME": "lo"}] * 2
-    assert json.loads(json.dumps(agents.reports()[0]))["host_ifname"] == "lo"
+    assert agents.reports()[0]["host_ifname"] == "lo"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.launch.conftest import SYSFS, Agents
-from topomesh.launch.numa import Binding, BindMode, plan, usable_cpus
+from topomesh.errors import TopologyError
+from topomesh.launch.numa import Binding, BindMode, cpulist, plan, usable_cpus
 from topomesh.topology.discover import discover_host, read_numa_nodes
 from topomesh.topology.model import Device, DeviceKind, Host
 
@@ -80,10 +81,25 @@ def test_workers_report_the_cpus_of_their_node(agents: Agents) -> None:
     assert agents.wait(a) == 0, agents.log(a)[-3000:]
     got = {r["rank"]: r["cpus"] for r in agents.reports()}
     assert got == {0: node0, 1: node0, 2: node1, 3: node1}  # read back with os.sched_getaffinity
-    assert "local rank 2 (GPU2): NUMA node 1" in agents.log(a)
+    # the file records each rank's NUMA node and CPU list (through its host and local rank)
+    lists = {0: cpulist(node0), 1: cpulist(node0), 2: cpulist(node1), 3: cpulist(node1)}
+    assert {r["rank"]: r["binding"] for r in agents.reports()} == {
+        k: [0 if k < 2 else 1, lists[k]] for k in range(4)}
     # without --numa-binding nothing is bound
     for f in agents.out.glob("rank*.json"):
         f.unlink()
     b = agents.start("b", args[:2] + args[3:], sysfs="pcie-4gpu-2numa", script=[str(WORKER)])
     assert agents.wait(b) == 0, agents.log(b)[-3000:]
     assert {tuple(r["cpus"]) for r in agents.reports()} == {tuple(allowed)}
+    assert {r["binding"] for r in agents.reports()} == {None}
+
+
+def test_bindings_round_trip_in_the_host_record() -> None:
+    h = Host(hostname="n", numa_bindings=((0, 0, "0-15,32-47"), (1, 1, "16-31")))
+    assert h.to_dict()["numa_bindings"] == [{"local_rank": 0, "numa_node": 0, "cpus": "0-15,32-47"},
+                                            {"local_rank": 1, "numa_node": 1, "cpus": "16-31"}]
+    assert Host.from_dict(h.to_dict()) == h and h.numa_binding(1) == (1, "16-31") and h.numa_binding(2) is None
+    assert "numa_bindings" not in Host(hostname="n").to_dict()  # unchanged files when nothing is bound
+    bad = {"hostname": "n", "numa_bindings": [{"local_rank": 0, "numa_node": 0, "cpus": "0-3;rm"}]}
+    with pytest.raises(TopologyError, match="cpus must be a CPU list like '0-3,8', got '0-3;rm'"):
+        Host.from_dict(bad)

@@ -131,6 +131,7 @@ class TopologyAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         self._choose_ifname(worker_group)
+        self._bindings = []
         self._bindings = self._plan_numa(worker_group)
         self._topology_file = None
         if self._topology.mode is TopologyMode.OFF:
@@ -174,15 +175,22 @@ class TopologyAgent(LocalElasticAgent):
             spec.numa_options = None  # torch's binding needs CUDA, which this agent lacks
         return super()._start_workers(worker_group)
 
+    def _local_host(self) -> Host:
+        """This node, discovered once, with its socket interface and this round's worker bindings."""
+        if self._host is None:
+            self._host = discover_local_host()
+        bindings = tuple((i, b.numa_node, numa.cpulist(b.cpus)) for i, b in enumerate(self._bindings) if b)
+        if (self._host.socket_ifname, self._host.numa_bindings) != (self._ifname, bindings):
+            self._host = dataclasses.replace(self._host, socket_ifname=self._ifname, numa_bindings=bindings)
+        return self._host
+
     def _plan_numa(self, wg: WorkerGroup) -> list[numa.Binding | None]:
         """Bindings from the topology when ``--numa-binding`` is on and torch's own (CUDA) does
         not apply; empty when torch binds or nobody asked."""
         options = getattr(wg.spec, "numa_options", None)
         if options is None or not isinstance(wg.spec.entrypoint, str):
             return []
-        if self._host is None:
-            self._host = discover_local_host()
-        host = self._host
+        host = self._local_host()
         if torch.cuda.is_available() and host.gpus:
             return []  # torch's implementation: worker i on the NUMA node of cuda:i
         from topomesh.topology.discover import ENV_SYSFS_ROOT, read_numa_nodes
@@ -195,7 +203,7 @@ class TopologyAgent(LocalElasticAgent):
             log.warning("topomesh: --numa-binding %s needs socket/L3 data the topology lacks; binding to NUMA nodes", mode)
         for i, b in enumerate(plan):
             where = f"NUMA node {b.numa_node}, CPUs {numa.cpulist(b.cpus)}" if b else "unbound (NUMA node unknown)"
-            log.warning("topomesh: local rank %d (%s): %s", i, devices[i] or "no device", where)
+            log.info("topomesh: local rank %d (%s): %s", i, devices[i] or "no device", where)
         return plan
 
     def _choose_ifname(self, wg: WorkerGroup) -> None:
@@ -218,8 +226,8 @@ class TopologyAgent(LocalElasticAgent):
         else:
             how = f"reaches the rendezvous host {target}" if opt == ifname.AUTO else "given"
             kept = f"; kept the user's {', '.join(given)}" if given else ""
-            # one line per node, shown by default (info is not): the choice decides whether jobs hang
-            log.warning("topomesh: workers' socket interface %s (%s)%s", self._ifname, how, kept)
+            # info, not warning: launch output stays torchrun's (the choice is in the file too)
+            log.info("topomesh: workers' socket interface %s (%s)%s", self._ifname, how, kept)
 
     # -- one round --------------------------------------------------------------------
 
@@ -236,11 +244,7 @@ class TopologyAgent(LocalElasticAgent):
             return Path(self._topology.path)
         spec = wg.spec
         run_id = spec.rdzv_handler.get_run_id()
-        if self._host is None:
-            self._host = discover_local_host()
-            if self._ifname is not None:  # recorded per node in the file
-                self._host = dataclasses.replace(self._host, socket_ifname=self._ifname)
-        host = self._host
+        host = self._local_host()
         devs = local_devices(host, spec.local_world_size, visible_devices())
         slots = tuple(
             exchange.WorkerSlot(global_rank=w.global_rank, local_rank=w.local_rank, device=devs[w.local_rank])

@@ -16,6 +16,7 @@ Units are in the names: ``_us`` microseconds, ``_GBps`` gigabytes/s (bytes),
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -199,6 +200,9 @@ class Host:
     socket_ifname: str | None = None
     """The network interface this node's workers use for NCCL/Gloo sockets (the one that
     reaches the rendezvous endpoint), when ``topomesh launch`` chose or was given one."""
+    numa_bindings: tuple[tuple[int, int, str], ...] = ()
+    """``(local_rank, numa_node, cpulist)`` of each worker ``topomesh launch`` bound to CPUs
+    (``--numa-binding``); the rank entries map ranks to (host, local rank)."""
     _index: dict[frozenset[str], Path] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -226,7 +230,7 @@ class Host:
         if not isinstance(hostname, str) or not hostname:
             raise TopologyError(f"a host name must be a non-empty string, got {hostname!r}")
         new = object.__new__(Host)
-        for name in ("devices", "nics", "paths", "socket_ifname", "_index"):
+        for name in ("devices", "nics", "paths", "socket_ifname", "numa_bindings", "_index"):
             object.__setattr__(new, name, getattr(self, name))
         object.__setattr__(new, "hostname", hostname)
         return new
@@ -271,7 +275,13 @@ class Host:
         }
         if self.socket_ifname is not None:  # absent when unset: older files stay byte-identical
             out["socket_ifname"] = self.socket_ifname
+        if self.numa_bindings:
+            out["numa_bindings"] = [{"local_rank": r, "numa_node": n, "cpus": c} for r, n, c in self.numa_bindings]
         return out
+
+    def numa_binding(self, local_rank: int) -> tuple[int, str] | None:
+        """``(numa_node, cpulist)`` the launcher bound this local rank to, or None."""
+        return next(((n, c) for r, n, c in self.numa_bindings if r == local_rank), None)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "host") -> Host:
@@ -297,7 +307,12 @@ class Host:
             ifname = data.get("socket_ifname")
             if ifname is not None and not (isinstance(ifname, str) and ifname.isprintable() and 0 < len(ifname) <= 255):
                 raise TypeError(f"socket_ifname must be a non-empty printable string, got {ifname!r}")
-            return cls(hostname=hostname, devices=devices, nics=nics, paths=paths, socket_ifname=ifname)
+            raw_bindings = _list(data, "numa_bindings")
+            if len(raw_bindings) > MAX_HOST_WORKERS:
+                raise TypeError(f"{len(raw_bindings)} NUMA bindings, more than the limit of {MAX_HOST_WORKERS} per host")
+            bindings = tuple(_binding(b) for b in raw_bindings)
+            return cls(hostname=hostname, devices=devices, nics=nics, paths=paths, socket_ifname=ifname,
+                       numa_bindings=bindings)
         except TopologyError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -308,6 +323,22 @@ MAX_HOST_DEVICES = 256
 """Most devices (GPUs, CPUs) and NICs one host description may list, in every reader. Real
 servers list a few dozen (a DGX H100: 8 GPUs, 12 NICs in ``nvidia-smi topo -m``); readers
 build a path per pair, so the limit keeps that work to ~33,000 pairs."""
+
+
+MAX_HOST_WORKERS = 4096
+"""Most NUMA bindings (workers) one host description may carry."""
+
+
+def _binding(b: Any) -> tuple[int, int, str]:
+    """One ``numa_bindings`` entry: ``{"local_rank": int, "numa_node": int, "cpus": "0-3,8"}``."""
+    if not isinstance(b, Mapping) or set(b) != {"local_rank", "numa_node", "cpus"}:
+        raise TypeError(f"a NUMA binding must be {{local_rank, numa_node, cpus}}, got {b!r}")
+    r, n, c = b["local_rank"], b["numa_node"], b["cpus"]
+    if not (isinstance(r, int) and isinstance(n, int) and r >= 0 and n >= 0) or isinstance(r, bool):
+        raise TypeError(f"a NUMA binding's local_rank and numa_node must be whole numbers, got {b!r}")
+    if not (isinstance(c, str) and len(c) <= 4096 and re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", c)):
+        raise TypeError(f"a NUMA binding's cpus must be a CPU list like '0-3,8', got {c!r}")
+    return (r, n, c)
 
 
 def _bounded_host_lists(data: Mapping[str, Any]) -> None:

@@ -53,7 +53,7 @@ def to_dict(topo: Topology) -> dict[str, Any]:
     template_list: list[dict[str, Any]] = []
     hosts: list[list[Any]] = []
     for h in topo.hosts:
-        key = (h.devices, h.nics, h.paths, h.socket_ifname)
+        key = (h.devices, h.nics, h.paths, h.socket_ifname, h.numa_bindings)
         if key not in templates:
             templates[key] = len(template_list)
             d = h.to_dict()
