@@ -41,6 +41,7 @@ def test_breakdown_accounts_for_every_second(wide16):
         (Layout(tp=8, dp_shard=2), Training(global_batch=4)),
         (Layout(tp=4, pp=2, dp_shard=2), Training(global_batch=16)),
         (Layout(dp_shard=16), Training(global_batch=16, recompute="full")),
+        (Layout(tp=2, dp_shard=8), Training(global_batch=8, recompute="selective")),  # Llama + SAC traces
     ]:
         r = wide16.simulate(layout, training)
         assert r.breakdown.total_s == pytest.approx(r.step_time_s, rel=1e-9)
