@@ -26,15 +26,15 @@ from topomesh.trace.cache import TraceCache
 
 # (model, cluster, gpus, layout, training)
 CASES = [
-    ("llama3-8b", "dgx-h100", 8, Layout(dp_shard=8), Training(global_batch=32, micro_batch=1)),
+    ("llama3-8b", "dgx-h100", 8, Layout(dp_shard=8), Training(global_batch=32, micro_batch=1, recompute="selective")),
     ("gpt-22b", "dgx-a100-80gb", 64, Layout(tp=8, dp_shard=8), Training(global_batch=256, micro_batch=4)),
     ("llama3-70b", "dgx-h100", 256, Layout(tp=8, pp=4, dp_shard=8),
-     Training(global_batch=256, micro_batch=1, schedule="interleaved-1f1b", interleave=2)),
+     Training(global_batch=256, micro_batch=1, schedule="interleaved-1f1b", interleave=2, recompute="selective")),
     ("gpt-175b", "dgx-a100-80gb", 1024, Layout(tp=8, pp=8, dp_shard=16),
      Training(global_batch=1536, micro_batch=1, schedule="interleaved-1f1b", interleave=2, recompute="selective")),
     ("mixtral-8x7b", "dgx-h100", 64, Layout(ep=8, dp_shard=8), Training(global_batch=256, micro_batch=1)),
     ("llama3-405b", "dgx-h100", 2048, Layout(tp=8, pp=16, dp_shard=16),
-     Training(global_batch=2048, micro_batch=1, schedule="1f1b")),
+     Training(global_batch=2048, micro_batch=1, schedule="1f1b", recompute="full")),
 ]
 
 
