@@ -80,3 +80,25 @@ def test_roofline_prices_bmm_by_its_output_shape():
     bmm = OpRecord(op="aten.bmm.default", inputs=(_t(8, 2048, 1024), _t(8, 1024, 2048)),
                    outputs=(_t(8, 2048, 2048),), flops=flops, bytes_moved=0)
     assert roofline_time_s(bmm, H100) == pytest.approx(flops / (989.5e12 * 0.8033 * 1024 / 1056))
+
+
+def test_causal_attention_costs_half_the_counted_flops():
+    # Llama-8B-like attention, one sample: q, k, v of (1, 32 heads, 8192, 128) in bf16.
+    # PyTorch counts 4·s²·d·heads = 4 · 8192² · 128 · 32 = 1.0995e12 FLOPs either way; the
+    # H100 FlashAttention forward figure is 0.75 of 989.5 TFLOP/s, so a full mask takes
+    # 1.0995e12 / (0.75 · 989.5e12) = 1.4815 ms and a causal one, which skips half, 0.7408 ms
+    # (the memory term, 4 tensors · 64 MiB / (0.9 · 3350 GB/s) = 0.089 ms, does not bind).
+    from topomesh.cost.devices import device_spec
+    from topomesh.cost.ops import roofline_time_s
+    from topomesh.trace.graph import OpRecord, TensorMeta
+
+    t = TensorMeta(shape=(1, 32, 8192, 128), dtype="bfloat16", stride=(32 * 8192 * 128, 8192 * 128, 128, 1))
+    flops = 4 * 8192**2 * 128 * 32
+
+    def rec(causal: bool) -> OpRecord:
+        return OpRecord(op="aten._scaled_dot_product_flash_attention.default", inputs=(t, t, t), outputs=(t,),
+                        flops=flops, args=(0.0, causal, False))
+
+    h100 = device_spec("H100-SXM5-80GB")
+    assert roofline_time_s(rec(False), h100) * 1e3 == pytest.approx(1.4815, rel=1e-3)
+    assert roofline_time_s(rec(True), h100) * 1e3 == pytest.approx(0.7408, rel=1e-3)

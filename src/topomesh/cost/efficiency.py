@@ -120,6 +120,41 @@ def output_mn(shape: Sequence[int]) -> tuple[int, int, int]:
     return dims[-2], dims[-1], math.prod(dims[:-2])
 
 
+def is_causal(op: str, args: Sequence[object]) -> bool:
+    """Whether a recorded attention op runs with a causal mask, from its ``is_causal`` argument.
+
+    The tracer records an op's non-tensor positional arguments in schema order (optional
+    tensors given as None included); ``is_causal`` is found by name in the op's schema.
+
+    >>> is_causal("aten._scaled_dot_product_flash_attention_for_cpu.default", (0.0, True))
+    True
+    >>> is_causal("aten._scaled_dot_product_flash_attention.default", (0.0, False, False))
+    False
+    """
+    from topomesh.cost.ops import resolve_op
+
+    try:
+        schema = resolve_op(op)._schema
+    except LookupError:
+        return False
+    import torch
+
+    def plain_tensor(a: object) -> bool:
+        return isinstance(a.type, torch._C.TensorType)  # type: ignore[attr-defined]
+
+    def optional_tensor(a: object) -> bool:
+        t = a.type  # type: ignore[attr-defined]
+        return isinstance(t, torch._C.OptionalType) and isinstance(t.getElementType(), torch._C.TensorType)
+
+    positional = [a for a in schema.arguments if not a.kwarg_only and not plain_tensor(a)]
+    for names in ([a.name for a in positional], [a.name for a in positional if not optional_tensor(a)]):
+        if "is_causal" in names and names.index("is_causal") < len(args):
+            value = args[names.index("is_causal")]
+            if isinstance(value, bool):
+                return value
+    return False
+
+
 def op_efficiency(spec: DeviceSpec, op_class: str, op: str, dtype: str,
                   output_shape: Sequence[int] | None) -> tuple[float, float]:
     """(compute, memory) fraction of peak for one op of class ``op_class`` (an ``OpClass`` value).

@@ -40,7 +40,7 @@ from typing import Any
 
 from topomesh.cost import opcheck as _opcheck
 from topomesh.cost.devices import DeviceSpec
-from topomesh.cost.efficiency import op_efficiency
+from topomesh.cost.efficiency import is_causal, op_efficiency
 from topomesh.cost.opdb import Key, OpProfileDB, OpTiming
 from topomesh.errors import TraceError
 from topomesh.trace.graph import OpRecord, Phase, TensorMeta
@@ -168,7 +168,13 @@ def roofline_time_s(
         eff_compute, eff_memory = op_efficiency(spec, cls.value, record.op, dtype, shape)
     else:
         eff_compute, eff_memory = efficiency.compute[cls], efficiency.memory[cls]
-    compute_s = record.flops / (spec.peak_flops_per_s(dtype, tf32=tf32) * eff_compute)
+    flops = record.flops
+    if cls is OpClass.ATTENTION and is_causal(record.op, record.args):
+        # FlashAttention kernels skip the masked half of the score matrix; the FLOP count
+        # (PyTorch's formula) is the full one, and the kernels' published throughput counts
+        # causal work as half (FlashAttention-2, arXiv:2307.08691 §4.1)
+        flops //= 2
+    compute_s = flops / (spec.peak_flops_per_s(dtype, tf32=tf32) * eff_compute)
     memory_s = record_bytes(record) / (spec.memory_bandwidth_GBps * 1e9 * eff_memory)
     return max(compute_s, memory_s)
 
