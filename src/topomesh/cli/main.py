@@ -23,7 +23,7 @@ from topomesh.errors import TopomeshError
 from topomesh.report.text import printable
 
 # Subcommands in the order `topomesh --help` lists them.
-COMMANDS = ("discover", "show", "launch", "layout", "trace", "profile", "calibrate", "simulate", "validate")
+COMMANDS = ("discover", "show", "launch", "layout", "trace", "profile", "calibrate", "simulate", "validate", "plan")
 
 
 # `launch` takes torchrun's own arguments and lives with the launcher.

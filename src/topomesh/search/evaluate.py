@@ -1,0 +1,206 @@
+"""The work of one search task, run in a worker process or a Ray task: trace layout classes,
+and score every order and knob row of degree rows.
+
+A task gets only plain, picklable inputs (:class:`PlanInputs`: the command line's model,
+cluster and training values; :class:`Cell`: a degree row and its knob rows) and rebuilds the
+model, the cluster and a :class:`~topomesh.sim.simulate.Simulator` from them, so the same
+function runs in this process, in a local worker or on a Ray node.
+
+Sharing (fast path, :func:`score_cell`). What :func:`~topomesh.sim.simulate.simulate` returns
+for a layout depends on the order of its axes only through the links its groups cross
+(``StepResult.links``: one :class:`~topomesh.cost.cluster.AxisLink` per collective axis of the
+trace and per mesh axis) and the two order fields of ``StepResult.layout``. So the orders of a
+(degree row, knob row) are grouped by the tuple of those links (their *link signature*, from
+the memoized :func:`~topomesh.sim.simulate.memo_axis_link`); one order per group is simulated
+and the others get its result with their own order written in. ``exhaustive`` simulates every
+order instead; the two agree exactly (tests/search/test_run.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from topomesh.errors import TopomeshError
+from topomesh.layout.dims import Axis, Layout
+from topomesh.search.space import AXES, Knobs, permutations
+from topomesh.sim.result import StepResult
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanInputs:
+    """What a task needs to rebuild the model, the cluster and the simulator (picklable)."""
+
+    model: str
+    """``--model``: a preset, a config .json or ``path.py:fn``."""
+    global_batch: int
+    """Samples per optimizer step."""
+    seq_len: int | None = None
+    cluster: str | None = None
+    topology: str | None = None
+    device: str | None = None
+    gpus: int | None = None
+    dtype: str = "bf16"
+    sequence_parallel: bool = True
+    mixed_precision: bool = True
+    db: str | None = None
+    """Op-profile database (``--db``); the shared default when present."""
+    cache_dir: str | None = None
+    """Trace cache directory; ``None`` keeps traces in memory only."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cell:
+    """One degree row of the space and the knob rows of it that survived pruning."""
+
+    row: int
+    degrees: tuple[int, ...]
+    """Degrees in :data:`~topomesh.search.space.AXES` order."""
+    knobs: tuple[tuple[int, Knobs], ...]
+    """(knob row index, knobs)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scored:
+    """One simulated layout and every (order, knob row) of the same cell that shares its result."""
+
+    row: int
+    result: StepResult | None
+    """``None`` when the class could not be traced or simulated (see ``error``)."""
+    members: tuple[tuple[int, int], ...]
+    """(permutation index, knob row index) of every layout this result is for."""
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Context:
+    """The model, cluster and simulator of one task (built once per task)."""
+
+    inputs: PlanInputs
+    model: Any
+    cluster: Any
+    sim: Any
+
+    @classmethod
+    def build(cls, inputs: PlanInputs) -> Context:
+        from topomesh.sim.inputs import load_model
+        from topomesh.sim.simulate import Simulator
+        from topomesh.trace.cache import TraceCache
+
+        model = load_model(inputs.model, seq_len=inputs.seq_len)
+        cluster = build_cluster(inputs)
+        sim = Simulator(model=model, cluster=cluster, cache=TraceCache(inputs.cache_dir),
+                        table=_op_table(inputs.db, cluster.device))
+        return cls(inputs=inputs, model=model, cluster=cluster, sim=sim)
+
+    def training(self, knobs: Knobs) -> Any:
+        from topomesh.sim.simulate import Training
+
+        i = self.inputs
+        return Training(global_batch=i.global_batch, micro_batch=knobs.micro_batch,
+                        seq_len=i.seq_len or self.model.seq_len, dtype=i.dtype, recompute=knobs.recompute.value,
+                        sequence_parallel=i.sequence_parallel, schedule=knobs.schedule,
+                        interleave=knobs.interleave, mixed_precision=i.mixed_precision)
+
+
+def _op_table(db: str | None, device: Any) -> dict:
+    """Measured op times as ``topomesh simulate`` reads them; a device the op database cannot
+    fingerprint (a preset's GPU on this CPU machine) has none, and the roofline prices it."""
+    from topomesh.cli.simulate import op_table
+    from topomesh.errors import CalibrationError
+
+    try:
+        return op_table(db, device)
+    except CalibrationError:
+        if db:
+            raise
+        return {}
+
+
+def build_cluster(inputs: PlanInputs) -> Any:
+    """The cluster ``--cluster``/``--topology``/``--gpus`` name (as ``topomesh simulate`` builds it)."""
+    import argparse
+
+    from topomesh.sim.inputs import cluster_from_args
+
+    return cluster_from_args(argparse.Namespace(cluster=inputs.cluster, topology=inputs.topology,
+                                                device=inputs.device, gpus=inputs.gpus))
+
+
+def cell_layouts(cell: Cell) -> list[Layout]:
+    """Every order of the cell's used axes, in :func:`~topomesh.search.space.permutations` order."""
+    used = [a for a, d in zip(AXES, cell.degrees, strict=True) if d > 1]
+    degrees = {a.value: d for a, d in zip(AXES, cell.degrees, strict=True)}
+    return [Layout(**degrees, order=tuple(used[i] for i in perm)) for perm in permutations(len(used)).tolist()]
+
+
+def trace_classes(inputs: PlanInputs, classes: Sequence[tuple[tuple[int, ...], Knobs]]) -> list[str | None]:
+    """Trace each (degrees, knobs) class into the cache; per class ``None`` or the error."""
+    ctx = Context.build(inputs)
+    return [_trace_one(ctx, degrees, knobs) for degrees, knobs in classes]
+
+
+def _trace_one(ctx: Context, degrees: tuple[int, ...], knobs: Knobs) -> str | None:
+    lay = Layout(**{a.value: d for a, d in zip(AXES, degrees, strict=True)})
+    try:
+        ctx.sim.trace(lay, ctx.training(knobs))
+    except TopomeshError as exc:
+        return str(exc)
+    return None
+
+
+def score_cells(inputs: PlanInputs, cells: Sequence[Cell], exhaustive: bool = False) -> list[Scored]:
+    """:func:`score_cell` for each cell, on one freshly built context."""
+    ctx = Context.build(inputs)
+    return [s for cell in cells for s in score_cell(ctx, cell, exhaustive=exhaustive)]
+
+
+def score_cell(ctx: Context, cell: Cell, *, exhaustive: bool = False) -> list[Scored]:
+    """Every order × knob row of ``cell`` (see the module docstring for the sharing)."""
+    from topomesh.sim.price import collective_axes
+    from topomesh.sim.simulate import memo_axis_link
+
+    layouts = cell_layouts(cell)
+    out: list[Scored] = []
+    for k, knobs in cell.knobs:
+        training = ctx.training(knobs)
+        try:
+            trace = ctx.sim.trace(layouts[0], training)
+        except TopomeshError as exc:
+            out.append(Scored(row=cell.row, result=None, members=tuple((p, k) for p in range(len(layouts))),
+                              error=str(exc)))
+            continue
+        if exhaustive:
+            out.extend(_simulate(ctx, cell.row, lay, training, ((p, k),)) for p, lay in enumerate(layouts))
+            continue
+        names = sorted(set(collective_axes(trace)) | {a.value for a in layouts[0].mesh_axes
+                                                      if layouts[0].degree(a) > 1})
+        groups: dict[tuple, list[int]] = {}
+        memo = ctx.sim._memo
+        for p, lay in enumerate(layouts):
+            signature = tuple(memo_axis_link(ctx.cluster, lay, n, memo) for n in names)
+            groups.setdefault(signature, []).append(p)
+        for perms in groups.values():
+            out.append(_simulate(ctx, cell.row, layouts[perms[0]], training, tuple((p, k) for p in perms)))
+    return out
+
+
+def _simulate(ctx: Context, row: int, layout: Layout, training: Any, members: tuple[tuple[int, int], ...]) -> Scored:
+    try:
+        result = ctx.sim.simulate(layout, training)
+    except TopomeshError as exc:
+        return Scored(row=row, result=None, members=members, error=str(exc))
+    return Scored(row=row, result=result, members=members)
+
+
+def with_order(result: StepResult, layout: Layout) -> StepResult:
+    """``result`` (of a layout with the same degrees and links) for ``layout``'s order."""
+    shown = {**result.layout, "degrees": {a.value: layout.degree(a) for a in layout.order},
+             "order": layout.order_text()}
+    return dataclasses.replace(result, layout=shown, timeline=None)
+
+
+def layout_of(degrees: Sequence[int], order: Sequence[Axis]) -> Layout:
+    return Layout(**{a.value: int(d) for a, d in zip(AXES, degrees, strict=True)}, order=tuple(order))

@@ -1,0 +1,293 @@
+"""Run a search: enumerate the space, prune it, trace each layout class once, score every
+layout, rank them.
+
+Work is split into tasks of plain inputs (:mod:`topomesh.search.evaluate`) and run here
+(``workers=1``), in local worker processes (``concurrent.futures.ProcessPoolExecutor``, spawned
+so no torch threads are forked) or as Ray tasks on an existing Ray cluster (``ray_address``).
+Results are put in a canonical order before ranking, so every way of running gives the
+same plan.
+
+1. **Tracing**: one task item per layout class — (degrees other than ``pp``, micro-batch,
+   recompute); the traces land in the on-disk trace cache (:class:`~topomesh.trace.cache.TraceCache`)
+   where the scoring tasks find them (a task whose cache misses traces again: slower, never
+   different).
+2. **Scoring**: one item per degree row and its surviving knob rows; the orders share
+   results by link signature (:func:`~topomesh.search.evaluate.score_cell`) unless
+   ``exhaustive``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from topomesh.errors import LayoutError
+from topomesh.layout.dims import Layout
+from topomesh.search.evaluate import (
+    Cell,
+    Context,
+    PlanInputs,
+    Scored,
+    score_cells,
+    trace_classes,
+    with_order,
+)
+from topomesh.search.prune import PruneResult, PruneSetup, prune
+from topomesh.search.space import AXES, Knobs, KnobTable, Space, enumerate_space
+from topomesh.sim.result import StepResult
+from topomesh.sim.simulate import placed_ranks
+
+Progress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``; phase is ``"tracing"`` or ``"scoring"``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One scored layout."""
+
+    index: int
+    """Layout id in the space (degree row and order)."""
+    knob: int
+    """Knob row."""
+    layout: Layout
+    knobs: Knobs
+    result: StepResult
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """Everything a search found (see DESIGN.md "Plan file")."""
+
+    inputs: PlanInputs
+    space: Space
+    pruning: PruneResult
+    traced_classes: int
+    evaluated: int
+    """Layouts scored (every order and knob row counted)."""
+    simulated: int
+    """Simulator runs (one per link-signature group on the fast path)."""
+    failed: dict[str, int]
+    """Layouts that could not be traced or simulated, by the error's message."""
+    elapsed_s: float
+    entries: tuple[Entry, ...]
+    """Every scored layout, best first: feasible ones by step time, then peak memory."""
+    world_size: int
+    cluster_name: str
+    model_name: str
+    placed: tuple[int, ...]
+    """The topology placement's rank list (``placed[logical] = physical``) every layout uses."""
+    hosts: tuple[int, ...]
+    """Ranks on each host of the cluster's topology, in host order."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> int:
+        return sum(1 for e in self.entries if e.result.feasible)
+
+    @property
+    def best(self) -> Entry | None:
+        return self.entries[0] if self.entries and self.entries[0].result.feasible else None
+
+
+def search(
+    inputs: PlanInputs,
+    *,
+    strategies: Sequence[str] | None = None,
+    fixed: dict[str, int] | None = None,
+    knobs: KnobTable | None = None,
+    exhaustive: bool = False,
+    workers: int = 1,
+    ray_address: str | None = None,
+    progress: Progress | None = None,
+    chunks_per_worker: int = 8,
+) -> Plan:
+    """Search every layout of ``inputs``' model on its cluster (see the module docstring)."""
+    t0 = time.perf_counter()
+    if workers < 1:
+        raise LayoutError(f"--workers must be a positive integer, got {workers}.")
+    ctx = Context.build(inputs)
+    world = ctx.cluster.world_size
+    space = enumerate_space(world, strategies=strategies, fixed=fixed, knobs=knobs)
+    pruning = _prune(ctx, inputs, space)
+    cells = _cells(space, pruning)
+    classes = list(dict.fromkeys((c.degrees, _class_knobs(kn)) for c in cells for _, kn in c.knobs))
+    parallel = workers > 1 or ray_address is not None
+    slots = (workers if ray_address is None else max(workers, 1)) * chunks_per_worker
+
+    errors: dict[tuple, str] = {}
+    if parallel:
+        batches = _split(classes, slots)
+        done = 0
+        for batch, result in _run(trace_classes, inputs, batches, workers, ray_address):
+            for cls, err in zip(batch, result, strict=True):
+                if err is not None:
+                    errors[cls] = err
+            done += len(batch)
+            _tell(progress, "tracing", done, len(classes))
+    else:
+        from topomesh.search.evaluate import _trace_one
+
+        for i, (degrees, kn) in enumerate(classes):
+            err = _trace_one(ctx, degrees, kn)
+            if err is not None:
+                errors[(degrees, kn)] = err
+            _tell(progress, "tracing", i + 1, len(classes))
+
+    scored: list[Scored] = []
+    if errors:  # a class that failed to trace fails for every layout of it: not traced again
+        cells, failed_cells = _drop_failed(cells, errors)
+        scored.extend(failed_cells)
+    if parallel:
+        done = 0
+        for batch, result in _run(_score_task(exhaustive), inputs, _split(cells, slots), workers, ray_address):
+            scored.extend(result)
+            done += len(batch)
+            _tell(progress, "scoring", done, len(cells))
+    else:
+        from topomesh.search.evaluate import score_cell
+
+        for i, cell in enumerate(cells):
+            scored.extend(score_cell(ctx, cell, exhaustive=exhaustive))
+            _tell(progress, "scoring", i + 1, len(cells))
+
+    entries, failed = _entries(space, scored)
+    return Plan(
+        inputs=inputs, space=space, pruning=pruning, traced_classes=len(classes),
+        evaluated=sum(len(s.members) for s in scored), simulated=len(scored), failed=failed,
+        elapsed_s=time.perf_counter() - t0, entries=entries, world_size=world, cluster_name=ctx.cluster.name,
+        model_name=ctx.model.spec.name, placed=placed_ranks(ctx.cluster, ctx.sim._memo),
+        hosts=tuple(len(g) for g in ctx.cluster.topology.ranks_by_host()),
+        extra={"trace_errors": len(errors), "exhaustive": exhaustive, "n_layers": ctx.model.spec.n_layers},
+    )
+
+
+def _tell(progress: Progress | None, phase: str, done: int, total: int) -> None:
+    if progress is not None:
+        progress(phase, done, total)
+
+
+def _prune(ctx: Context, inputs: PlanInputs, space: Space) -> PruneResult:
+    """Pruning for a built-in model; a user's own model keeps every cell (simulating says what fails)."""
+    from topomesh.search.prune import _REASONS
+
+    cfg = ctx.model.config
+    if cfg is None:
+        shape = (len(space.degrees), len(space.knobs))
+        return PruneResult(reason=np.full(shape, -1, dtype=np.int8),
+                           memory_lower_bound_bytes=np.zeros(shape), pruned={r.value: 0 for r in _REASONS},
+                           kept=space.size)
+    setup = PruneSetup(model=cfg, global_batch=inputs.global_batch, device_memory_bytes=ctx.cluster.device.memory_bytes,
+                       seq_len=inputs.seq_len or ctx.model.seq_len, sequence_parallel=inputs.sequence_parallel,
+                       activation_bytes=4 if inputs.dtype in ("fp32", "float32") else 2)
+    return prune(space, setup)
+
+
+def _cells(space: Space, pruning: PruneResult) -> list[Cell]:
+    knob_rows = space.knobs.rows()
+    keep = pruning.keep
+    out = []
+    for r in np.flatnonzero(keep.any(axis=1)).tolist():
+        ks = tuple((k, knob_rows[k]) for k in np.flatnonzero(keep[r]).tolist())
+        out.append(Cell(row=r, degrees=tuple(int(d) for d in space.degrees[r]), knobs=ks))
+    return out
+
+
+def _drop_failed(cells: list[Cell], errors: dict[tuple, str]) -> tuple[list[Cell], list[Scored]]:
+    kept: list[Cell] = []
+    failed: list[Scored] = []
+    for c in cells:
+        ok = []
+        for k, kn in c.knobs:
+            err = errors.get((c.degrees, _class_knobs(kn)))
+            if err is None:
+                ok.append((k, kn))
+            else:
+                n = math.factorial(sum(1 for d in c.degrees if d > 1))
+                failed.append(Scored(row=c.row, result=None, members=tuple((p, k) for p in range(n)), error=err))
+        if ok:
+            kept.append(Cell(row=c.row, degrees=c.degrees, knobs=tuple(ok)))
+    return kept, failed
+
+
+def _class_knobs(k: Knobs) -> Knobs:
+    """The knobs a trace depends on (micro-batch, recompute); schedule and interleave set to
+    their first values, so classes that differ only there are traced once."""
+    from topomesh.sim.schedules import Schedule
+
+    return Knobs(micro_batch=k.micro_batch, recompute=k.recompute, schedule=Schedule.ONE_F_ONE_B, interleave=1)
+
+
+def _split(items: Sequence, parts: int) -> list[list]:
+    """``items`` in up to ``parts`` interleaved batches (big and small rows spread evenly)."""
+    parts = max(1, min(parts, len(items)))
+    return [list(items[i::parts]) for i in range(parts)] if items else []
+
+
+def _score_task(exhaustive: bool) -> Callable[[PlanInputs, list[Cell]], list[Scored]]:
+    import functools
+
+    return functools.partial(score_cells, exhaustive=exhaustive)
+
+
+def _run(fn: Callable[[PlanInputs, list], list], inputs: PlanInputs, batches: list[list], workers: int,
+         ray_address: str | None) -> Iterator[tuple[list, list]]:
+    """``fn(inputs, batch)`` for every batch, as they finish: Ray tasks or local processes."""
+    if not batches:
+        return
+    if ray_address is not None:
+        yield from _run_ray(fn, inputs, batches, ray_address)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(fn, inputs, b): b for b in batches}
+        for f in as_completed(futures):
+            yield futures[f], f.result()
+
+
+def _run_ray(fn: Callable[[PlanInputs, list], list], inputs: PlanInputs, batches: list[list],
+             address: str) -> Iterator[tuple[list, list]]:
+    try:
+        import ray
+    except ImportError:
+        raise LayoutError("--ray needs Ray: pip install 'topomesh[ray]'.") from None
+    if not ray.is_initialized():
+        ray.init(address=None if address in ("", "local") else address, log_to_driver=False,
+                 include_dashboard=False)
+    remote = ray.remote(fn)
+    pending = {remote.remote(inputs, b): b for b in batches}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for ref in ready:
+            yield pending.pop(ref), ray.get(ref)
+
+
+def _entries(space: Space, scored: list[Scored]) -> tuple[tuple[Entry, ...], dict[str, int]]:
+    """Every scored layout as an :class:`Entry`, ranked; failures counted by message."""
+    knob_rows = space.knobs.rows()
+    failed: dict[str, int] = {}
+    out: list[Entry] = []
+    for s in scored:
+        if s.result is None:
+            failed[s.error or "unknown"] = failed.get(s.error or "unknown", 0) + len(s.members)
+            continue
+        base = int(space.offsets[s.row])
+        degrees = space.degrees[s.row]
+        for i, (perm, k) in enumerate(s.members):
+            lay = Layout(**{a.value: int(d) for a, d in zip(AXES, degrees, strict=True)}, order=space.order(s.row, perm))
+            result = s.result if i == 0 else with_order(s.result, lay)
+            out.append(Entry(index=base + perm, knob=k, layout=lay, knobs=knob_rows[k], result=result))
+    out.sort(key=rank_key)
+    return tuple(out), dict(sorted(failed.items()))
+
+
+def rank_key(e: Entry) -> tuple:
+    """Feasible first, then step time, peak memory, and the layout id and knob row (a total order)."""
+    r = e.result
+    return (not r.feasible, r.step_time_s, r.peak_memory_bytes, e.index, e.knob)
