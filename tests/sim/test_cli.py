@@ -115,3 +115,30 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     assert code == 2
     assert err.startswith("topomesh: error:") and err.count("\n") == 1, err
     assert message in err
+
+
+def test_a_measured_op_table_takes_precedence(tmp_path, capsys):
+    """Every op of the trace stored for the H100's reported name at 1 ms: the simulator must
+    price each of them at exactly that (and none by the roofline)."""
+    from topomesh.cost.cluster import load_cluster
+    from topomesh.cost.opdb import OpProfileDB, OpTiming
+    from topomesh.cost.ops import profilable, profile_key
+    from topomesh.layout.dims import Layout
+    from topomesh.models.presets import get_preset
+    from topomesh.sim.simulate import Simulator, Training, builtin_model
+    from topomesh.trace.graph import OpRecord
+
+    sim = Simulator(model=builtin_model(get_preset("tiny-llama")), cluster=load_cluster("dgx-h100", gpus=8))
+    trace = sim.trace(Layout(dp_shard=8), Training(global_batch=8))
+    keys = {profile_key(e) for s in trace.segments for e in s.events if isinstance(e, OpRecord) and profilable(e)}
+    db = tmp_path / "ops.sqlite"
+    with OpProfileDB(db) as store:
+        store.put("NVIDIA H100 80GB HBM3", [OpTiming(key=k, median_s=1e-3, repeats=5, warmup=2, method="test")
+                                            for k in keys])
+    code, out, err = run_cli(capsys, "simulate", "--model", "tiny-llama", "--gpus", "8", "--dp-shard", "8",
+                             "--db", str(db), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["roofline_ops"] == 0 and doc["measured_ops"] > 0
+    # compute is a whole number of milliseconds: every forward and backward op took 1 ms
+    assert doc["breakdown"]["compute_s"] * 1e3 == pytest.approx(round(doc["breakdown"]["compute_s"] * 1e3), abs=1e-6)
