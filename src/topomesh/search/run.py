@@ -158,7 +158,7 @@ def search(
     entries, failed = _entries(space, scored)
     return Plan(
         inputs=inputs, space=space, pruning=pruning, traced_classes=len(classes),
-        evaluated=sum(len(s.members) for s in scored), simulated=len(scored), failed=failed,
+        evaluated=len(entries), simulated=sum(1 for s in scored if s.result is not None), failed=failed,
         elapsed_s=time.perf_counter() - t0, entries=entries, world_size=world, cluster_name=ctx.cluster.name,
         model_name=ctx.model.spec.name, placed=placed_ranks(ctx.cluster, ctx.sim._memo),
         hosts=tuple(len(g) for g in ctx.cluster.topology.ranks_by_host()),

@@ -1,0 +1,87 @@
+"""topomesh plan's search: the fast path (orders sharing one simulation per link signature)
+against the plain simulator on every layout, the counts, the ranking and the plan file."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from topomesh.layout.dims import Axis, Layout
+from topomesh.layout.place import place
+from topomesh.search.evaluate import Context, PlanInputs
+from topomesh.search.rank import mesh_of, plan_dict
+from topomesh.search.run import search
+from topomesh.search.space import KnobTable
+from topomesh.sim.simulate import SimMemo, simulate
+
+STRATEGIES = ["tp", "pp", "dp_shard"]
+KNOBS = KnobTable.product(micro_batch=(1,), schedule=("1f1b",))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> PlanInputs:
+    cache = tmp_path_factory.mktemp("traces")
+    os.chmod(cache, 0o700)
+    return PlanInputs(model="tiny-llama", cluster="dgx-h100", gpus=16, global_batch=16, cache_dir=str(cache))
+
+
+@pytest.fixture(scope="module")
+def fast(inputs: PlanInputs):
+    return search(inputs, strategies=STRATEGIES, knobs=KNOBS)
+
+
+def test_fast_path_equals_exhaustive_and_independent_simulations(inputs: PlanInputs, fast) -> None:
+    exhaustive = search(inputs, strategies=STRATEGIES, knobs=KNOBS, exhaustive=True)
+    got = {(e.index, e.knob): e.result.to_dict() for e in fast.entries}
+    want = {(e.index, e.knob): e.result.to_dict() for e in exhaustive.entries}
+    assert got == want
+    assert [(e.index, e.knob) for e in fast.entries] == [(e.index, e.knob) for e in exhaustive.entries]
+    # Sharing happened: fewer simulations than layouts (tp=2 pp=2 dp_shard=4 has 6 orders,
+    # and orders that keep tp inside a node and pp, dp_shard across nodes give the same links).
+    assert fast.simulated < exhaustive.simulated == exhaustive.evaluated
+    # Independently of every memo: each layout simulated on its own, with a fresh SimMemo.
+    ctx = Context.build(inputs)
+    for e in fast.entries:
+        training = ctx.training(e.knobs)
+        alone = simulate(ctx.model, ctx.cluster, e.layout, training, trace=ctx.sim.trace(e.layout, training),
+                         memo=SimMemo())
+        assert alone.to_dict() == got[(e.index, e.knob)], e.layout.describe()
+
+
+def test_counts_add_up_to_the_space(fast) -> None:
+    # 16 = 2^4 over 3 strategies: sum_t C(3,t) t! C(3,t-1) = 3·1 + 6·3 + 6·3 = 39 layouts.
+    assert fast.space.n_layouts == 39 and fast.space.size == 39
+    assert fast.pruning.n_pruned + fast.evaluated + sum(fast.failed.values()) == 39
+    # tiny-llama: 4 kv heads (tp <= 4), 2 layers (pp <= 2).
+    assert all(e.layout.tp <= 4 and e.layout.pp <= 2 for e in fast.entries)
+
+
+def test_ranked_best_first(fast) -> None:
+    r = [e.result for e in fast.entries]
+    feasible = [x for x in r if x.feasible]
+    assert feasible and r[: len(feasible)] == feasible
+    assert all(a.step_time_s <= b.step_time_s for a, b in itertools.pairwise(feasible))
+    assert fast.best is fast.entries[0]
+
+
+def test_plan_file_keys_and_mesh(fast) -> None:
+    data = plan_dict(fast, top=3)
+    assert data["format"] == "topomesh-plan" and data["version"] == 1
+    for key in ("space_size", "pruned", "traced_classes", "evaluated", "feasible", "elapsed_s", "best", "layouts"):
+        assert key in data
+    assert data["space_size"] == 39 and len(data["layouts"]) == 3 and data["best"] == data["layouts"][0]
+    ctx = Context.build(fast.inputs)
+    for entry, lay in zip(fast.entries[:3], data["layouts"], strict=True):
+        # the mesh is what place() gives on the cluster's topology, dims slowest first
+        assert lay["mesh"] == place(ctx.cluster.topology, entry.layout).mesh().tolist()
+        assert lay["mesh_dim_names"] == [a.value for a in entry.layout.mesh_axes]
+        assert lay["step_time_s"] == entry.result.step_time_s
+
+
+def test_mesh_of_by_hand() -> None:
+    # tp=2 fastest, then pp=2: logical rank = tp + 2·pp; placed = (3, 2, 1, 0) reverses them.
+    lay = Layout(tp=2, pp=2, order=(Axis.TP, Axis.PP))
+    assert mesh_of(lay, (0, 1, 2, 3)).tolist() == [[0, 1], [2, 3]]
+    assert mesh_of(lay, (3, 2, 1, 0)).tolist() == [[3, 2], [1, 0]]
