@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         "interface that reaches the rendezvous endpoint (default), off = leave them unset, NAME = "
         "this value. A value the user set always wins. Env: TOPOMESH_SOCKET_IFNAME.",
     )
+    group.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN.json",
+        help="a plan written by `topomesh plan -o`: every worker gets TOPOMESH_PLAN pointing at it, "
+        "for topomesh.layout.api.mesh_from_plan()",
+    )
     parser.full_name_only = frozenset(group._group_actions)  # type: ignore[attr-defined]
     return parser
 
@@ -190,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     options = options_from_args(args)
+    if args.plan:
+        from topomesh.layout.api import PLAN_ENV_VAR, read_plan
+
+        read_plan(args.plan)  # fail before any process starts
+        os.environ[PLAN_ENV_VAR] = os.path.abspath(args.plan)  # workers inherit the agent's environment
 
     @record
     def launch() -> None:
