@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -251,10 +251,60 @@ def connection_from_dict(c: Mapping[str, Any], where: str, source: str) -> Conne
     return Connection(kind=kind, latency_us=latency, bandwidth_GBps=bandwidth, channels=channels, measured=measured)
 
 
-def validate(doc: Any, source: str) -> None:
-    """Check ``doc`` against the shipped JSON Schema; the first error names its JSON path."""
+_PEERS = ("$defs", "rank", "properties", "peers")
+"""Where the schema describes a rank's ``peers`` map: the one part of a dense file that
+grows as ranks², checked per distinct key and per distinct entry (see :func:`validate`)."""
+
+
+@cache
+def _validators() -> tuple[Any, Any, Any]:
+    """Three validators cut from the shipped schema (never a copy of its text).
+
+    ``skeleton``: the whole schema less the two keywords of ``peers`` that apply per key
+    (``propertyNames``, ``additionalProperties``), so it walks version, ranks and each
+    rank, but no peer; ``key`` and ``entry``: those two keywords as ``$ref``s into the
+    schema, applied to one peer key and one peer entry (``{"connection": ...}``).
+    """
+    import copy
+
     import jsonschema
 
+    root = schema()
+    node: Any = root
+    for part in _PEERS:
+        node = node[part]
+    # additionalProperties covers every key only while no properties/patternProperties exist
+    assert "properties" not in node and "patternProperties" not in node, "peers schema changed: update _validators"
+    skeleton = copy.deepcopy(root)
+    cut: Any = skeleton
+    for part in _PEERS:
+        cut = cut[part]
+    cut.pop("propertyNames", None)
+    cut.pop("additionalProperties", None)
+    pointer = "#/" + "/".join(_PEERS)
+
+    def ref(keyword: str) -> Any:
+        if keyword not in node:
+            return jsonschema.Draft202012Validator(True)
+        # the root's identity and definitions only: its own keywords would apply to the part too
+        frame = {k: root[k] for k in ("$schema", "$id", _PEERS[0]) if k in root}
+        return jsonschema.Draft202012Validator({**frame, "$ref": f"{pointer}/{keyword}"})
+
+    return jsonschema.Draft202012Validator(skeleton), ref("propertyNames"), ref("additionalProperties")
+
+
+def _check(validator: Any, instance: Any, where: str, source: str) -> None:
+    """Raise the best of ``validator``'s errors for ``instance``, at ``where`` + its path."""
+    import jsonschema
+
+    err = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+    if err is not None:
+        path = where + "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
+        raise TopologyError(err.message, source=source, where=path)
+
+
+def _check_skeleton(doc: Any, source: str) -> None:
+    """The version, then the schema on everything but the peers' keys and entries."""
     if not isinstance(doc, dict):
         raise TopologyError("the document is not a JSON object", source=source)
     if doc.get("version") != VERSION:
@@ -263,16 +313,51 @@ def validate(doc: Any, source: str) -> None:
             source=source,
             where="$.version",
         )
-    validator = jsonschema.Draft202012Validator(schema())
-    err = jsonschema.exceptions.best_match(validator.iter_errors(doc))
-    if err is not None:
-        path = "$" + "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
-        raise TopologyError(err.message, source=source, where=path)
+    _check(_validators()[0], doc, "$", source)
+
+
+def _entry_key(value: Any) -> str | None:
+    """Exact text of a parsed JSON value: equal texts mean equal values of equal types
+    (``repr`` tells ``1`` from ``1.0``, ``True`` and ``"1"``); None when it cannot be
+    written (an integer of more than 4,300 digits, nesting beyond the stack)."""
+    try:
+        return repr(value)
+    except (ValueError, RecursionError):
+        return None
+
+
+def validate(doc: Any, source: str) -> None:
+    """Check ``doc`` against the shipped JSON Schema; the first error names its JSON path.
+
+    Every check of the schema is made, in time linear in the file: the skeleton once, then
+    each distinct peer key and each distinct peer entry once (a dense file repeats a
+    handful of connection objects ranks² times); a failing one is reported at the first
+    place it occurs.
+    """
+    _check_skeleton(doc, source)
+    _, key_v, entry_v = _validators()
+    keys: set[str] = set()
+    entries: set[str] = set()
+    for r, rank in doc["ranks"].items():
+        for pk, pv in rank["peers"].items():
+            if pk not in keys:
+                _check(key_v, pk, f"$.ranks.{r}.peers", source)
+                keys.add(pk)
+            k = _entry_key(pv)
+            if k is None or k not in entries:
+                _check(entry_v, pv, f"$.ranks.{r}.peers.{pk}", source)
+                if k is not None:
+                    entries.add(k)
 
 
 def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
-    """Read a v0.1 document (either variant) into a :class:`Topology`."""
-    validate(doc, source)
+    """Read a v0.1 document (either variant) into a :class:`Topology`.
+
+    Linear in the number of pairs with small constants: each distinct peer entry is
+    validated and parsed once, pairs are kept as palette ids in an ``n x n`` array, and
+    the symmetry and completeness checks run on that array.
+    """
+    _check_skeleton(doc, source)
     raw_ranks: Mapping[str, Any] = doc["ranks"]
     n = len(raw_ranks)
     for k in raw_ranks:
@@ -284,33 +369,34 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
         raise TopologyError(
             f"world_size is {_show(doc['world_size'])} but the file lists {n} ranks", source=source, where="$.world_size"
         )
-    pairs: dict[tuple[int, int], Connection] = {}
-    first: dict[tuple[int, int], str] = {}
+    _, key_v, entry_v = _validators()
+    index = {str(r): r for r in range(n)}  # exactly the keys _rank_key accepts below n
+    pal = _Palette()
+    parsed: dict[str, int] = {}  # peer entry's exact text -> palette id
+    ids = np.full((n, n), -1, dtype=np.int32)
     for a in range(n):
-        peers = raw_ranks[str(a)]["peers"]
-        for pk, pv in peers.items():
-            b = _rank_key(pk, n, "peer", f"$.ranks.{a}.peers", source)
-            where = f"$.ranks.{a}.peers.{b}.connection"
-            if b == a:
-                continue
-            conn = connection_from_dict(pv["connection"], where, source)
-            key = (min(a, b), max(a, b))
-            seen = pairs.setdefault(key, conn)
-            if seen != conn:
-                # the model (and NCCL) has one connection per pair: a file that says two is damaged
-                raise TopologyError(
-                    f"ranks {a} and {b} disagree about their connection ({_describe(seen)} at {first[key]}, "
-                    f"{_describe(conn)} here); a pair has one connection in both directions",
-                    source=source,
-                    where=where,
-                )
-            first.setdefault(key, where)
-    for a in range(n):
-        for b in range(a + 1, n):
-            if (a, b) not in pairs:
-                raise TopologyError(f"no connection between ranks {a} and {b} in either direction", source=source, where=f"$.ranks.{a}.peers")
-    hosts, placement = _hosts_and_placement(doc, n, pairs, source)
-    table = table_from_pairs(n, [r.host for r in placement], [r.local_rank for r in placement], lambda a, b: pairs[(min(a, b), max(a, b))])
+        row = [-1] * n
+        for pk, pv in raw_ranks[str(a)]["peers"].items():
+            b = index.get(pk)
+            if b is None:
+                _check(key_v, pk, f"$.ranks.{a}.peers", source)
+                b = _rank_key(pk, n, "peer", f"$.ranks.{a}.peers", source)
+            k = _entry_key(pv)
+            cid = parsed.get(k) if k is not None else None
+            if cid is None:
+                _check(entry_v, pv, f"$.ranks.{a}.peers.{b}", source)
+                if b == a:
+                    continue
+                cid = pal.id(connection_from_dict(pv["connection"], f"$.ranks.{a}.peers.{b}.connection", source))
+                if k is not None:
+                    parsed[k] = cid
+            row[b] = cid
+        row[a] = -1
+        ids[a] = row
+    _check_pairs(ids, raw_ranks, pal.items, source)
+    both = np.where(ids >= 0, ids, ids.T)
+    hosts, placement = _hosts_and_placement(doc, n, both, pal.items, source)
+    table = table_from_ids([r.host for r in placement], [r.local_rank for r in placement], both, pal.items)
     restart = doc.get("restart_count")
     return Topology(
         hosts=hosts,
@@ -320,6 +406,33 @@ def from_dict(doc: Any, *, source: str = "<topology>") -> Topology:
         restart_count=whole(restart, "$.restart_count", source) if restart is not None else None,
         source=source,
     )
+
+
+def _check_pairs(ids: np.ndarray, raw_ranks: Mapping[str, Any], palette: list[Connection], source: str) -> None:
+    """Each pair listed in at least one direction, and alike when listed in both.
+
+    ``ids[a, b]`` is the palette id of what rank ``a`` lists for peer ``b`` (-1: not
+    listed). A disagreement is reported where a reader going rank by rank, peer by peer
+    meets it: at the later rank, naming the place of the earlier one.
+    """
+    n = ids.shape[0]
+    upper = np.triu(np.ones((n, n), dtype=bool), 1)
+    clash = upper & (ids >= 0) & (ids.T >= 0) & (ids != ids.T)
+    if clash.any():
+        b = int(np.flatnonzero(clash.any(axis=0))[0])  # the earliest later rank
+        wrong = set(np.flatnonzero(clash[:, b]).tolist())
+        a = next(r for r in map(int, raw_ranks[str(b)]["peers"]) if r in wrong)
+        first, here = palette[ids[a, b]], palette[ids[b, a]]
+        raise TopologyError(
+            f"ranks {b} and {a} disagree about their connection ({_describe(first)} at "
+            f"$.ranks.{a}.peers.{b}.connection, {_describe(here)} here); a pair has one connection in both directions",
+            source=source,
+            where=f"$.ranks.{b}.peers.{a}.connection",
+        )
+    gap = np.argwhere(upper & (ids < 0) & (ids.T < 0))
+    if gap.size:
+        a, b = map(int, gap[0])
+        raise TopologyError(f"no connection between ranks {a} and {b} in either direction", source=source, where=f"$.ranks.{a}.peers")
 
 
 def _rank_key(key: str, n: int | None, what: str, where: str, source: str) -> int:
@@ -343,7 +456,7 @@ def _describe(c: Connection) -> str:
 
 
 def _hosts_and_placement(
-    doc: Mapping[str, Any], n: int, pairs: Mapping[tuple[int, int], Connection], source: str
+    doc: Mapping[str, Any], n: int, ids: np.ndarray, palette: list[Connection], source: str
 ) -> tuple[tuple[Host, ...], list[RankInfo]]:
     raw_ranks = doc["ranks"]
     described = doc.get("hosts") if isinstance(doc.get("hosts"), Mapping) else {}
@@ -360,10 +473,10 @@ def _hosts_and_placement(
                 x = parent[x]
             return x
 
-        for (a, b), c in pairs.items():
-            if c.kind.intra_host:
-                ra, rb = find(a), find(b)
-                parent[max(ra, rb)] = min(ra, rb)
+        same_host = np.array([c.kind.intra_host for c in palette] + [False])[ids]  # ids: -1 only on the diagonal
+        for a, b in np.argwhere(np.triu(same_host, 1)).tolist():
+            ra, rb = find(a), find(b)
+            parent[max(ra, rb)] = min(ra, rb)
         roots = sorted({find(r) for r in range(n)})
         label = {root: f"host{i}" for i, root in enumerate(roots)}
         names = [label[find(r)] for r in range(n)]
@@ -396,18 +509,17 @@ def _hosts_and_placement(
     return tuple(hosts), placement
 
 
-def table_from_pairs(
-    n: int,
-    host_of: list[int],
-    local_rank: list[int],
-    lookup: Callable[[int, int], Connection],
-) -> ConnectionTable:
-    """A compact table from any pairwise ``lookup`` (used for files read pair by pair).
+def table_from_ids(host_of: list[int], local_rank: list[int], ids: np.ndarray, palette: list[Connection]) -> ConnectionTable:
+    """A compact table from the ``n x n`` array ``ids`` of indices into ``palette`` (the
+    connection of every pair of distinct ranks, both directions alike; the diagonal is
+    ignored).
 
     Same-host pairs go into per-host matrices (deduplicated); different-host pairs take
-    the most common inter-host connection, and the pairs that differ from it become
-    overrides.
+    the most common inter-host connection (on a tie, the one met first row by row), and
+    the pairs that differ from it become overrides. The table's palette lists connections
+    in the order they are first met: host by host, then the common one, then overrides.
     """
+    n = len(host_of)
     pal = _Palette()
     host_arr = np.asarray(host_of, dtype=np.int32) if n else np.zeros(0, dtype=np.int32)
     local_of = np.zeros(n, dtype=np.int32)
@@ -417,27 +529,32 @@ def table_from_pairs(
     n_hosts = (max(host_of) + 1) if n else 0
     host_class = np.zeros(n_hosts, dtype=np.int32)
     mats = _Matrices()
-    loc = loc_connection()
+    loc_id = len(palette)
+    conns = [*palette, loc_connection()]  # one more id: the rank itself
     for h, rs in members.items():
         rs.sort(key=lambda r: local_rank[r])
-        k = len(rs)
-        mat = np.zeros((k, k), dtype=np.int32)
-        for i, a in enumerate(rs):
-            local_of[a] = i
-            for j, b in enumerate(rs):
-                mat[i, j] = pal.id(loc if a == b else lookup(a, b))
+        local_of[rs] = np.arange(len(rs), dtype=np.int32)
+        sub = ids[np.ix_(rs, rs)].copy()
+        np.fill_diagonal(sub, loc_id)
+        mat = np.array([pal.id(conns[i]) for i in sub.ravel().tolist()], dtype=np.int32).reshape(sub.shape)
         host_class[h] = mats.id(mat)
-    counts: Counter[Connection] = Counter()
-    inter_pairs: list[tuple[int, int, Connection]] = []
-    for a in range(n):
-        for b in range(a + 1, n):
-            if host_of[a] != host_of[b]:
-                c = lookup(a, b)
-                counts[c] += 1
-                inter_pairs.append((a, b, c))
-    common = counts.most_common(1)[0][0] if counts else Connection(kind=LinkKind.UNKNOWN, latency_us=0.0, bandwidth_GBps=0.0)
+    a_idx, b_idx = np.nonzero(np.triu(host_arr[:, None] != host_arr[None, :], 1))  # row by row
+    inter_ids = ids[a_idx, b_idx]
+    if inter_ids.size:
+        counts = np.bincount(inter_ids, minlength=len(palette))
+        tops = np.flatnonzero(counts == counts.max())
+        _, first = np.unique(inter_ids, return_index=True)  # unique ids sorted; first[i] for the i-th
+        first_at = dict(zip(np.unique(inter_ids).tolist(), first.tolist(), strict=True))
+        common_id = min(tops.tolist(), key=first_at.__getitem__)
+        common = palette[common_id]
+    else:
+        common_id, common = -1, Connection(kind=LinkKind.UNKNOWN, latency_us=0.0, bandwidth_GBps=0.0)
     inter = np.array([[pal.id(common)]], dtype=np.int32)
-    overrides = {(a, b): pal.id(c) for a, b, c in inter_pairs if c != common}
+    odd = np.flatnonzero(inter_ids != common_id)
+    overrides = {
+        (a, b): pal.id(palette[c])
+        for a, b, c in zip(a_idx[odd].tolist(), b_idx[odd].tolist(), inter_ids[odd].tolist(), strict=True)
+    }
     return ConnectionTable(
         palette=tuple(pal.items),
         host_of=host_arr,
