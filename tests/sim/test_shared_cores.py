@@ -57,3 +57,47 @@ def test_collectives_on_the_compute_cores_never_overlap(model):
     assert sum(r.breakdown.exposed_comm_s.values()) == pytest.approx(expected, rel=1e-9)
     assert r.step_time_s == pytest.approx(r.breakdown.compute_s + r.breakdown.optimizer_s + expected, rel=1e-9)
     assert sum(overlapped.breakdown.exposed_comm_s.values()) < expected  # FSDP prefetch hides some on GPUs
+
+
+def _ops(sim, layout, training, model):
+    from topomesh.cost.ops import profilable
+    from topomesh.trace.graph import OpRecord, Phase
+
+    trace = sim.trace(layout, training)
+    full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+    ops = [e for e in full.events() if isinstance(e, OpRecord) and profilable(e)]
+    return (sum(e.phase in (Phase.FORWARD, Phase.BACKWARD) for e in ops), sum(e.phase is Phase.OPTIMIZER for e in ops))
+
+
+@pytest.mark.parametrize("degrees, block_ops_pay", [({"tp": 2}, True), ({"dp_shard": 2}, False)])
+def test_dtensor_dispatch_is_paid_per_op_where_tensors_are_dtensors(model, degrees, block_ops_pay):
+    gpu = load_cluster("dgx-h100", gpus=2)
+    paying = dataclasses.replace(gpu, dtensor_dispatch_s=1e-3)
+    layout, training = Layout(**degrees), Training(global_batch=2 if "dp_shard" in degrees else 1)
+    a = Simulator(model=model, cluster=gpu).simulate(layout, training)
+    sim = Simulator(model=model, cluster=paying)
+    b = sim.simulate(layout, training)
+    fwd_bwd, opt = _ops(sim, layout, training, model)  # one micro-batch per rank in both cases
+    assert fwd_bwd > 100 and opt > 20
+    # TP: every forward/backward op runs on DTensors; FSDP2: only the optimizer's (sharded params)
+    assert b.breakdown.compute_s - a.breakdown.compute_s == pytest.approx(1e-3 * fwd_bwd if block_ops_pay else 0.0,
+                                                                           abs=1e-9)
+    assert b.breakdown.optimizer_s - a.breakdown.optimizer_s == pytest.approx(1e-3 * opt, rel=1e-9)
+
+
+def test_dtensor_dispatch_measured_once_and_cached(tmp_path, monkeypatch):
+    import torch
+
+    from topomesh.cost import dispatch
+
+    tmp_path.chmod(0o700)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = dispatch.dtensor_dispatch_s(directory=tmp_path)
+        # a DTensor op's Python dispatch: microseconds, far from a millisecond, never free
+        assert 1e-6 < first < 1e-3
+        monkeypatch.setattr(dispatch, "measure_dtensor_dispatch_s", lambda **_: pytest.fail("not cached"))
+        assert dispatch.dtensor_dispatch_s(directory=tmp_path) == first
+    finally:
+        torch.set_num_threads(before)

@@ -125,6 +125,9 @@ class Pricer:
         """Op record -> (seconds, measured); share it between pricings on one cluster and table."""
         self.measured = 0
         self.roofline = 0
+        self.dtensor_phases: frozenset[Phase] = frozenset()
+        """Phases whose ops run on DTensors and pay :attr:`Cluster.dtensor_dispatch_s`
+        (set per trace by :func:`price_trace`, see :func:`dtensor_phases`)."""
 
     def op_s(self, rec: OpRecord) -> float:
         hit = self._ops.get(rec)
@@ -164,6 +167,8 @@ class Pricer:
                     if not profilable(e):
                         continue
                     s = self.op_s(e)
+                    if e.phase in self.dtensor_phases:
+                        s += self.cluster.dtensor_dispatch_s * self.cluster.core_share
                     compute += s
                     flops += e.flops
                     if e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL:
@@ -220,8 +225,31 @@ def collective_axes(trace: Trace) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+def dtensor_phases(layout: Iterable[tuple[str, int]]) -> frozenset[Phase]:
+    """The phases whose ops run on DTensors under PyTorch's parallel APIs: forward and
+    backward with tensor parallel (TP/SP turn every block, embedding and head tensor into a
+    DTensor); the optimizer wherever a parameter is sharded or TP-split (FSDP2 keeps its
+    sharded parameters as DTensors; its forward and backward compute on plain unsharded ones).
+
+    >>> sorted(p.value for p in dtensor_phases([("dp_shard", 2)]))
+    ['optimizer']
+    >>> sorted(p.value for p in dtensor_phases([("tp", 2)]))
+    ['backward', 'forward', 'optimizer']
+    >>> dtensor_phases([("dp_shard", 1)])
+    frozenset()
+    """
+    degrees = dict(layout)
+    phases: set[Phase] = set()
+    if degrees.get(Axis.TP.value, 1) > 1:
+        phases |= {Phase.FORWARD, Phase.BACKWARD}
+    if any(degrees.get(a.value, 1) > 1 for a in (Axis.TP, Axis.DP_SHARD, Axis.DP_REPLICATE, Axis.CP)):
+        phases.add(Phase.OPTIMIZER)
+    return frozenset(phases)
+
+
 def price_trace(trace: Trace, pricer: Pricer) -> PricedClass:
     """Price a trace (as traced, not composed: blocks are priced once and repeated by the engine)."""
+    pricer.dtensor_phases = dtensor_phases(trace.layout) if pricer.cluster.dtensor_dispatch_s else frozenset()
     n = trace.traced_layers
     f_pre, f_blocks, f_post = _split(trace.segments, Phase.FORWARD)
     b_post, b_blocks, b_pre = _split(trace.segments, Phase.BACKWARD)

@@ -175,9 +175,10 @@ def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, step
             raise ValidateError(f"the real run of layout {layout.describe()} took more than {timeout_s:.0f} s; "
                                 "give fewer --steps or a smaller model.") from None
         if proc.returncode != 0 or not out_file.is_file():
-            lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
+            lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
+            causes = [ln for ln in lines if "Error" in ln or "terminate" in ln or "error:" in ln][:2]
             raise ValidateError(f"the real run of layout {layout.describe()} failed (exit {proc.returncode}): "
-                                + " | ".join(lines[-4:]))
+                                + " | ".join(causes + lines[-3:]))
         return json.loads(out_file.read_text())
 
 

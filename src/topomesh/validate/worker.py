@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -263,9 +264,15 @@ def main(argv: list[str] | None = None) -> int:
 
         write_atomic(args.out, json.dumps(record, indent=2))
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a joinable C++ thread (gloo / the profiler) destroyed there
+    # intermittently aborts a finished run ("terminate called without an active exception").
+    os._exit(code)
