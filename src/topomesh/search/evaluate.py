@@ -157,6 +157,11 @@ def score_cells(inputs: PlanInputs, cells: Sequence[Cell], exhaustive: bool = Fa
     return [s for cell in cells for s in score_cell(ctx, cell, exhaustive=exhaustive)]
 
 
+def score_cells_exhaustive(inputs: PlanInputs, cells: Sequence[Cell]) -> list[Scored]:
+    """:func:`score_cells` simulating every order (``--exhaustive``)."""
+    return score_cells(inputs, cells, exhaustive=True)
+
+
 def score_cell(ctx: Context, cell: Cell, *, exhaustive: bool = False) -> list[Scored]:
     """Every order × knob row of ``cell`` (see the module docstring for the sharing)."""
     from topomesh.sim.price import collective_axes

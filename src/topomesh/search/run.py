@@ -229,9 +229,10 @@ def _split(items: Sequence, parts: int) -> list[list]:
 
 
 def _score_task(exhaustive: bool) -> Callable[[PlanInputs, list[Cell]], list[Scored]]:
-    import functools
+    """A plain function (Ray tasks take no partials)."""
+    from topomesh.search.evaluate import score_cells_exhaustive
 
-    return functools.partial(score_cells, exhaustive=exhaustive)
+    return score_cells_exhaustive if exhaustive else score_cells
 
 
 def _run(fn: Callable[[PlanInputs, list], list], inputs: PlanInputs, batches: list[list], workers: int,
