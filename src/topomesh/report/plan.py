@@ -19,6 +19,11 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f}" if s < 1 else f"{s * 1e3:,.1f}"
 
 
+def _mem(b: float) -> str:
+    """Bytes as GB, or MB below 0.1 GB (tiny models would all read 0.00 GB)."""
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
+
+
 def _links(r: Any) -> str:
     return " ".join(f"{a}:{v['link']}" for a, v in r.links.items() if v.get("group_size", 1) > 1)
 
@@ -35,13 +40,13 @@ def _rows(plan: Plan, top: int) -> list[list[str]]:
     for n, e in enumerate(plan.entries[:top], 1):
         r, b = e.result, e.result.breakdown
         rows.append([str(n), e.layout.describe(), _knobs(e), _ms(r.step_time_s), f"{r.tokens_per_s:,.0f}",
-                     f"{r.mfu:.1%}", f"{r.peak_memory_bytes / 1e9:.2f}", _links(r),
+                     f"{r.mfu:.1%}", _mem(r.peak_memory_bytes), _links(r),
                      f"{_ms(b.compute_s)} / {_ms(sum(b.exposed_comm_s.values()))} / {_ms(b.bubble_s)}",
                      "best" if n == 1 and r.feasible else why_loses(best, e) if best else ""])
     return rows
 
 
-HEADERS = ("#", "layout (fastest axis first)", "knobs", "step ms", "tokens/s", "MFU", "peak GB",
+HEADERS = ("#", "layout (fastest axis first)", "knobs", "step ms", "tokens/s", "MFU", "peak memory",
            "links", "compute / comm / bubble ms", "vs best")
 
 
@@ -66,7 +71,7 @@ def print_plan(plan: Plan, data: dict[str, Any], *, top: int) -> None:
     t = Table(title=f"{plan.model_name} on {plan.cluster_name} ({plan.world_size} ranks), global batch "
                     f"{i['global_batch']}: the {min(top, len(plan.entries))} best layouts")
     for h in HEADERS[:-1]:  # "vs best" goes below the table: it is a sentence
-        t.add_column(h, justify="right" if h in ("#", "step ms", "tokens/s", "MFU", "peak GB") else "left")
+        t.add_column(h, justify="right" if h in ("#", "step ms", "tokens/s", "MFU", "peak memory") else "left")
     rows = _rows(plan, top)
     for row in rows:
         t.add_row(*row[:-1])
@@ -103,7 +108,8 @@ def pareto_png(plan: Plan) -> bytes:
     except ImportError:
         raise TopomeshError("--png and --html need matplotlib, which is not installed: pip install 'topomesh[plot]'") from None
     feas = [e for e in plan.entries if e.result.feasible]
-    pts = [(e.result.step_time_s * 1e3, e.result.peak_memory_bytes / 1e9) for e in feas]
+    unit, per = ("GB", 1e9) if any(e.result.peak_memory_bytes >= 1e8 for e in feas) else ("MB", 1e6)
+    pts = [(e.result.step_time_s * 1e3, e.result.peak_memory_bytes / per) for e in feas]
     fig, ax = plt.subplots(figsize=(8, 5))
     if pts:
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, color="#9ab", label=f"feasible layouts ({len(pts)})")
@@ -114,11 +120,11 @@ def pareto_png(plan: Plan) -> bytes:
                    label=f"best: {feas[0].layout.describe()}")
     else:
         ax.text(0.5, 0.5, "no feasible layout", ha="center", va="center", transform=ax.transAxes)
-    cap = feas[0].result.capacity_bytes / 1e9 if feas else None
-    if cap:
-        ax.axhline(cap, color="#888", ls="--", lw=1, label=f"device memory {cap:.0f} GB")
+    cap = feas[0].result.capacity_bytes / per if feas else None
+    if cap and max(p[1] for p in pts) > 0.3 * cap:  # the line would squash every point to the axis
+        ax.axhline(cap, color="#888", ls="--", lw=1, label=f"device memory {cap:,.0f} {unit}")
     ax.set_xlabel("step time (ms)")
-    ax.set_ylabel("peak memory per GPU (GB)")
+    ax.set_ylabel(f"peak memory per GPU ({'GB' if not feas else unit})")
     ax.set_title(f"{plan.model_name} on {plan.cluster_name} ({plan.world_size} ranks)")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
@@ -183,15 +189,15 @@ def html_report(plan: Plan, data: dict[str, Any], *, top: int) -> str:
         bars = "".join(
             f"<tr><td>{esc(n)}</td><td class=n>{_ms(s)}</td><td><div class=bar style='width:{400 * s / r.step_time_s:.1f}px'>"
             f"</div></td><td class=n>{s / r.step_time_s:.1%}</td></tr>" for n, s in parts if s > 0 or n.startswith("compute"))
-        mem = "".join(f"<tr><td>{m.rank}</td><td class=n>{m.peak_bytes / 1e9:.2f}</td><td class=n>"
-                      f"{(m.params_bytes + m.grads_bytes + m.optimizer_bytes) / 1e9:.2f}</td><td class=n>"
-                      f"{m.activations_bytes / 1e9:.2f}</td><td class=n>{m.in_flight}</td></tr>" for m in r.memory)
+        mem = "".join(f"<tr><td>{m.rank}</td><td class=n>{_mem(m.peak_bytes)}</td><td class=n>"
+                      f"{_mem(m.params_bytes + m.grads_bytes + m.optimizer_bytes)}</td><td class=n>"
+                      f"{_mem(m.activations_bytes)}</td><td class=n>{m.in_flight}</td></tr>" for m in r.memory)
         timeline = best_timeline(plan)
         detail = (f"<h2>Best layout: {esc(best.layout.describe())} (order {esc(best.layout.order_text())}, {esc(_knobs(best))})</h2>"
                   f"<p>step {_ms(r.step_time_s)} ms, {r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.1%}, peak memory "
-                  f"{r.peak_memory_bytes / 1e9:.2f} of {r.capacity_bytes / 1e9:.0f} GB; links: {esc(_links(r))}</p>"
+                  f"{_mem(r.peak_memory_bytes)} of {r.capacity_bytes / 1e9:.0f} GB; links: {esc(_links(r))}</p>"
                   f"<h3>Where the step goes</h3><table>{bars}</table>"
-                  f"<h3>Memory per pipeline rank (GB)</h3><table><tr><th>rank</th><th>peak</th><th>state</th>"
+                  f"<h3>Memory per pipeline rank</h3><table><tr><th>rank</th><th>peak</th><th>state</th>"
                   f"<th>activations</th><th>in flight</th></tr>{mem}</table>"
                   f"<h3>Simulated timeline (hover a bar for its name)</h3>{timeline_svg(timeline) if timeline else ''}")
     runners = "".join(f"<li><b>{esc(e.layout.describe())}</b> ({esc(_knobs(e))}): {esc(why_loses(plan.entries[0], e))}</li>"
