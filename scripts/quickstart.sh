@@ -23,4 +23,15 @@ if python3 -c "import topomesh.launch.cli" 2>/dev/null; then
     examples/print_topology.py
 fi
 echo
+echo "== topomesh plan: llama3-8b on 64 H100s (8 DGX nodes): every layout of tp, pp and data parallel, the best 5"
+python3 -m topomesh plan --model llama3-8b --cluster dgx-h100 --gpus 64 --global-batch 256 \
+  --strategies tp,pp,dp_shard,dp_replicate --top 5 --html "$out/plan-llama3-8b.html"
+echo
+echo "== topomesh plan: tiny-llama for this machine (2 CPU ranks), then launch its best layout and train 3 steps"
+python3 -m topomesh discover --nproc 2 -o "$out/this-host-2.json" > /dev/null
+python3 -m topomesh plan --model tiny-llama --topology "$out/this-host-2.json" --device cpu \
+  --strategies tp,dp_shard --top 3 -o "$out/plan.json"
+python3 -m topomesh launch --standalone --nproc-per-node 2 --log-dir "$out/logs-plan" --plan "$out/plan.json" \
+  examples/train_plan.py --steps 3
+echo
 echo "files written under $out"
