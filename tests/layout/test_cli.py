@@ -42,7 +42,7 @@ def test_table_shows_the_cannot_fit_note(capsys: pytest.CaptureFixture[str]) -> 
         (["--tp", "3"], "the layout needs 3 ranks (tp=3) but the world has 8"),
         (["--tp", "4", "--order", "tp-pp-tp"], "axis 'tp' appears twice in the order tp-pp-tp"),
         (["--tp", "4", "--order", "tp-xp"], "unknown parallel axis 'xp'"),
-        (["--tp", "0"], "degrees must be positive"),
+        (["--layout", "tp=0"], "is not AXIS=DEGREE with a positive integer"),
         (["--tp", "-1", "--pp", "-1"], "only one degree may be -1"),
         (["--tp", "3", "--dp-shard", "-1"], "the other degrees multiply to 3, which does not divide the world of 8"),
         (["--tp", "2", "--rank-order", "round-robin"], "--rank-order needs --hosts"),

@@ -94,8 +94,9 @@ def rank_ranges(ranks: Iterable[int]) -> str:
 
 def _add_plain_row(table: Table, *cells: str) -> None:
     """Add a row of plain text: names from files (``[bold]``, ``[/]``) are not rich markup,
-    and their control characters are shown escaped (:func:`~topomesh.report.text.printable`)."""
-    table.add_row(*(Text(printable(c)) for c in cells))
+    and their control characters are shown escaped (:func:`~topomesh.report.text.printable`).
+    A cell's own line breaks (one NIC per line) are kept: each line is escaped on its own."""
+    table.add_row(*(Text("\n".join(printable(line) for line in c.split("\n"))) for c in cells))
 
 
 def _gbps(x: float | None) -> str:
