@@ -27,17 +27,9 @@ SEARCHABLE = ("micro-batch", "recompute", "schedule")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from topomesh.sim.inputs import (
-        add_cluster_arguments,
-        add_layout_arguments,
-        add_model_arguments,
-        add_training_arguments,
-    )
+    from topomesh.sim.inputs import add_step_arguments
 
-    add_model_arguments(p)
-    add_cluster_arguments(p)
-    add_layout_arguments(p)
-    add_training_arguments(p)
+    add_step_arguments(p)
     p.add_argument("--strategies", default=None, metavar="AXIS,...",
                    help="axes to search (default all: dp_replicate,dp_shard,cp,tp,pp,ep); fixed degrees "
                         "(--tp 8, --layout) are constraints")

@@ -23,17 +23,9 @@ HELP = "Predict a layout's training step on a cluster: step time, breakdown, MFU
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from topomesh.sim.inputs import (
-        add_cluster_arguments,
-        add_layout_arguments,
-        add_model_arguments,
-        add_training_arguments,
-    )
+    from topomesh.sim.inputs import add_step_arguments
 
-    add_model_arguments(p)
-    add_cluster_arguments(p)
-    add_layout_arguments(p)
-    add_training_arguments(p)
+    add_step_arguments(p)
     p.add_argument("--db", default=None, metavar="FILE",
                    help="op-profile SQLite file with measured op times (default: the shared one, when present)")
     p.add_argument("--json", action="store_true", help="the StepResult as JSON")

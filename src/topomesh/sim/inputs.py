@@ -26,6 +26,14 @@ AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 _CONFIG_MAX_BYTES = 1 << 20
 
 
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """Model, cluster, layout and training flags: what every planning command takes."""
+    add_model_arguments(p)
+    add_cluster_arguments(p)
+    add_layout_arguments(p)
+    add_training_arguments(p)
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="PRESET|FILE.json|PATH.py:FN",
                    help="a preset (topomesh.models.presets), a JSON file of TransformerConfig fields, or "
