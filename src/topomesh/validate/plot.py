@@ -23,12 +23,16 @@ def draw_validation(results: Sequence[Any]) -> Any:
     fig, ax = plt.subplots(figsize=(5.5, 5.0))
     xs = [r.measured_s * 1e3 for r in results]
     ys = [r.predicted_s * 1e3 for r in results]
-    hi = max(xs + ys) * 1.1
+    hi = max(xs + ys) * 1.15
     ax.plot([0, hi], [0, hi], color="grey", linestyle="--", linewidth=1, label="predicted = measured")
-    ax.scatter(xs, ys, color="tab:blue", zorder=3)
-    for r, x, y in zip(results, xs, ys, strict=True):
-        ax.annotate(f"{r.layout} ({r.error * 100:+.1f}%)", (x, y), textcoords="offset points", xytext=(5, -10),
-                    fontsize=8)
+    ax.scatter(xs, ys, color="tab:blue", zorder=3, label="wall time (median step)")
+    cpu = [(r.measured_cpu_s * 1e3, y) for r, y in zip(results, ys, strict=True) if r.measured_cpu_s]
+    if cpu:
+        ax.scatter(*zip(*cpu, strict=True), facecolors="none", edgecolors="tab:orange", zorder=3,
+                   label="CPU time of the slowest rank")
+    for i, (r, x, y) in enumerate(zip(results, xs, ys, strict=True)):
+        ax.annotate(f"{r.layout} ({r.error * 100:+.1f}%)", (x, y), textcoords="offset points",
+                    xytext=(6, -4 - 10 * (i % 3)), fontsize=8)
     ax.set_xlim(0, hi)
     ax.set_ylim(0, hi)
     ax.set_xlabel("measured step time (ms, median)")
