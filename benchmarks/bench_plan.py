@@ -33,6 +33,8 @@ def run(label: str, inputs, **kw) -> object:
           f"{plan.space.size / wall:,.0f} layouts/s; peak RSS {rss:,.0f} MB; best "
           f"{best.layout.describe() + ' ' + best.layout.order_text() if best else None}"
           f" {best.result.step_time_s * 1e3 if best else float('nan'):.3f} ms", flush=True)
+    for msg, n in sorted(plan.failed.items(), key=lambda kv: -kv[1])[:4]:
+        print(f"    failed {n:,}: {msg[:200]}", flush=True)
     return plan
 
 
@@ -48,11 +50,12 @@ def main() -> int:
     p.add_argument("--fixed", default="", metavar="AXIS=N,...")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--small-only", action="store_true")
+    p.add_argument("--cache", default=None, metavar="DIR", help="trace cache to use (default: a fresh temporary one)")
     args = p.parse_args()
     fixed = {k: int(v) for k, v in (kv.split("=") for kv in args.fixed.split(",") if kv)}
     with tempfile.TemporaryDirectory() as tmp:
-        cache = os.path.join(tmp, "traces")
-        os.mkdir(cache, 0o700)
+        cache = args.cache or os.path.join(tmp, "traces")
+        os.makedirs(cache, mode=0o700, exist_ok=True)
         if not args.small_only:
             inputs = PlanInputs(model=args.model, cluster=args.cluster, gpus=args.gpus, global_batch=args.global_batch,
                                 cache_dir=cache)

@@ -138,6 +138,11 @@ def search(
                 errors[(degrees, kn)] = err
             _tell(progress, "tracing", i + 1, len(classes))
 
+    suspect = {c: e for c, e in errors.items() if "process group" in e}  # the symptom, see _retry_isolated
+    if suspect and inputs.cache_dir is not None:
+        still = _retry_isolated(inputs, suspect, workers)
+        errors = {c: e for c, e in errors.items() if c not in suspect or c in still}
+    retried = len(suspect)
     scored: list[Scored] = []
     if errors:  # a class that failed to trace fails for every layout of it: not traced again
         cells, failed_cells = _drop_failed(cells, errors)
@@ -162,7 +167,7 @@ def search(
         elapsed_s=time.perf_counter() - t0, entries=entries, world_size=world, cluster_name=ctx.cluster.name,
         model_name=ctx.model.spec.name, placed=placed_ranks(ctx.cluster, ctx.sim._memo),
         hosts=tuple(len(g) for g in ctx.cluster.topology.ranks_by_host()),
-        extra={"trace_errors": len(errors), "exhaustive": exhaustive, "n_layers": ctx.model.spec.n_layers},
+        extra={"trace_errors": len(errors), "trace_retried": retried, "exhaustive": exhaustive, "n_layers": ctx.model.spec.n_layers},
     )
 
 
@@ -195,6 +200,25 @@ def _cells(space: Space, pruning: PruneResult) -> list[Cell]:
         ks = tuple((k, knob_rows[k]) for k in np.flatnonzero(keep[r]).tolist())
         out.append(Cell(row=r, degrees=tuple(int(d) for d in space.degrees[r]), knobs=ks))
     return out
+
+
+def _retry_isolated(inputs: PlanInputs, errors: dict[tuple, str], workers: int) -> dict[tuple, str]:
+    """Trace each failed class again alone in a fresh process; the errors that remain.
+
+    Tracing several classes one after another in one process can fail where the same class
+    traced alone succeeds (state the tracer leaves behind between fake process groups: seen as
+    "Could not resolve the process group registered under the name N"). A class's result must
+    not depend on what was traced before it in the same worker, so a failure is only believed
+    when it repeats alone. The traces land in the on-disk cache, where scoring finds them.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    classes = list(errors)
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(classes))), max_tasks_per_child=1,
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(trace_classes, [inputs] * len(classes), [[c] for c in classes]))
+    return {c: r[0] for c, r in zip(classes, results, strict=True) if r[0] is not None}
 
 
 def _drop_failed(cells: list[Cell], errors: dict[tuple, str]) -> tuple[list[Cell], list[Scored]]:
