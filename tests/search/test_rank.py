@@ -45,3 +45,29 @@ def test_megatron_full_recompute_without_tp_has_no_sequence_parallel() -> None:
     text = export_megatron(lay, n_layers=32)
     assert "--sequence-parallel" not in text and "virtual" not in text
     assert "--recompute-granularity full \\\n--recompute-method uniform \\\n--recompute-num-layers 1" in text
+
+
+def _entry(step_ms: float, compute_ms: float, tp_ms: float, bubble_ms: float, feasible: bool = True):
+    from topomesh.layout.dims import Layout
+    from topomesh.search.run import Entry
+    from topomesh.search.space import Knobs, Recompute
+    from topomesh.sim.result import StepBreakdown, StepResult
+    from topomesh.sim.schedules import Schedule
+
+    r = StepResult(step_time_s=step_ms / 1e3, tokens_per_s=1.0, mfu=0.5, hfu=0.5, peak_memory_bytes=1, memory=(),
+                   feasible=feasible, reason=None if feasible else "memory: too big",
+                   breakdown=StepBreakdown(compute_s=compute_ms / 1e3, exposed_comm_s={"tp": tp_ms / 1e3},
+                                           bubble_s=bubble_ms / 1e3, optimizer_s=0.0, p2p_s=0.0),
+                   links={"tp": {"link": "NVSwitch", "group_size": 8}}, layout={}, world_size=8, device="x",
+                   capacity_bytes=2)
+    return Entry(index=0, knob=0, layout=Layout(tp=8), result=r,
+                 knobs=Knobs(micro_batch=1, recompute=Recompute.NONE, schedule=Schedule.ONE_F_ONE_B, interleave=1))
+
+
+def test_why_a_runner_up_loses() -> None:
+    from topomesh.search.rank import why_loses
+
+    best = _entry(10, 8, 2, 0)
+    # 15 ms = 8 compute + 6 tp + 1 bubble: 5 ms slower, 4 of them tp communication, 1 bubble
+    assert why_loses(best, _entry(15, 8, 6, 1)) == "5 ms slower: +4 ms exposed tp comm (NVSwitch), +1 ms bubble"
+    assert why_loses(best, _entry(15, 8, 6, 1, feasible=False)) == "memory: too big"
