@@ -101,3 +101,21 @@ def test_dtensor_dispatch_measured_once_and_cached(tmp_path, monkeypatch):
         assert dispatch.dtensor_dispatch_s(directory=tmp_path) == first
     finally:
         torch.set_num_threads(before)
+
+
+def test_fsdp_backward_holds_the_gradient_reduction_buffers(model):
+    """tiny-llama block (hidden 64, 8 heads of 8, 4 KV heads, FFN 160): wq, wo 64x64, wk, wv
+    64x32, three FFN matrices 64x160, two norms of 64 = 43,136 parameters. Under FSDP2 mixed
+    precision on 2 ranks a block's backward holds the prefetched block's bf16 parameters and
+    its own unsharded bf16 gradients (2 x 86,272 B) and the float32 reduce-scatter inputs of
+    this block and the one before (2 x 172,544 B), besides the largest op output."""
+    from topomesh.trace.graph import Phase
+
+    params = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64
+    assert params == 43_136
+    sim = Simulator(model=model, cluster=load_cluster("dgx-h100", gpus=2))
+    layout, training = Layout(dp_shard=2), Training(global_batch=2)
+    r = sim.simulate(layout, training)
+    trace = sim.trace(layout, training)
+    peak_out = max(s.peak_output_bytes for s in trace.segments if s.phase in (Phase.FORWARD, Phase.BACKWARD))
+    assert r.memory[0].transient_bytes == 2 * params * 2 + 2 * params * 4 + peak_out

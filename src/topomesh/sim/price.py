@@ -75,6 +75,9 @@ class Work:
     peak_output_bytes: int = 0
     gather_bytes: int = 0
     """Parameters the piece's all-gathers bring in (their output buffers), bytes."""
+    reduce_bytes: int = 0
+    """Input buffers of the piece's gradient reductions over data-parallel axes (FSDP2's
+    reduce-scatter input: the unsharded gradients in the reduce dtype), bytes."""
 
     @property
     def empty(self) -> bool:
@@ -152,7 +155,7 @@ class Pricer:
         that belong to another piece, ``extra_gather`` adds records issued elsewhere."""
         drop = Counter(exclude or ())
         compute = weight = 0.0
-        flops = saved = peak = gathered = 0
+        flops = saved = peak = gathered = reduced = 0
         blocking: list[Comm] = []
         gather: list[Comm] = []
         reduce: list[Comm] = []
@@ -175,6 +178,8 @@ class Pricer:
                         weight += s / 2
                 elif e.group_size > 1:
                     c = self.comm(e)
+                    if is_param_collective(e) and e.kind is not CollectiveKind.ALL_GATHER and e.phase is not Phase.OPTIMIZER:
+                        reduced += e.bytes
                     if self.cluster.collectives_share_compute:
                         blocking.append(c)  # no overlap: the compute cores run it
                         gathered += e.bytes if is_param_collective(e) and e.kind is CollectiveKind.ALL_GATHER else 0
@@ -191,7 +196,7 @@ class Pricer:
         gathered += sum(e.bytes for e in extra)
         return Work(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
                     flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
-                    gather_bytes=gathered)
+                    gather_bytes=gathered, reduce_bytes=reduced)
 
 
 def _split(segments: Iterable[Segment], phase: Phase) -> tuple[list[Segment], list[Segment], list[Segment]]:
@@ -215,7 +220,7 @@ def _per_block(work: Work, n: int) -> Work:
     return Work(compute_s=work.compute_s / n, blocking=each(work.blocking), gather=each(work.gather),
                 reduce=each(work.reduce), flops=work.flops // n, weight_grad_s=work.weight_grad_s / n,
                 saved_bytes=work.saved_bytes // n, peak_output_bytes=work.peak_output_bytes,
-                gather_bytes=work.gather_bytes // n)
+                gather_bytes=work.gather_bytes // n, reduce_bytes=work.reduce_bytes // n)
 
 
 def collective_axes(trace: Trace) -> tuple[str, ...]:

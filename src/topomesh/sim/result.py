@@ -45,8 +45,9 @@ class StageMemory:
     """Kept for backward: per micro-batch bytes × micro-batches in flight at the peak."""
     in_flight: int
     transient_bytes: int
-    """Gathered parameters (FSDP, the current and the prefetched piece) and the largest
-    tensor one op produces."""
+    """Gathered parameters (FSDP, the current and the prefetched piece), in backward the
+    gradient-reduction buffers (unsharded gradients, the reduce inputs of the piece and of
+    the one before), and the largest tensor one op produces."""
 
     @property
     def peak_bytes(self) -> int:

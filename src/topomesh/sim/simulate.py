@@ -349,8 +349,10 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
         works = [pc.work for pc in (*plans[s].forward, *plans[s].backward)]
         if plans[s].forward_later is not None:  # a pipeline stage keeps all its gathered parameters
             gathered += sum(pc.work.gather_bytes * pc.count for pc in plans[s].forward)
-        else:  # the gathered piece and the one prefetched
-            gathered = max([gathered, *(2 * w.gather_bytes for w in works)])
+        else:  # the gathered piece and the one prefetched; in backward also the piece's unsharded
+            # gradients (as many bytes as its gathered parameters) and the gradient-reduction
+            # inputs of this piece and of the one before, which FSDP2 holds until this one is issued
+            gathered = max([gathered, *(2 * w.gather_bytes + 2 * w.reduce_bytes for w in works)])
         peak_out = max([peak_out, *(w.peak_output_bytes for w in works)])
     live: dict[tuple[int, int], int] = {}
     act_peak = most = 0
