@@ -96,13 +96,17 @@ class Context:
         return cls(inputs=inputs, model=model, cluster=cluster, sim=sim)
 
     def training(self, knobs: Knobs) -> Any:
-        from topomesh.sim.simulate import Training
+        return training_for(self.inputs, self.model, knobs)
 
-        i = self.inputs
-        return Training(global_batch=i.global_batch, micro_batch=knobs.micro_batch,
-                        seq_len=i.seq_len or self.model.seq_len, dtype=i.dtype, recompute=knobs.recompute.value,
-                        sequence_parallel=i.sequence_parallel, schedule=knobs.schedule,
-                        interleave=knobs.interleave, mixed_precision=i.mixed_precision)
+
+def training_for(inputs: PlanInputs, model: Any, knobs: Knobs) -> Any:
+    """The :class:`~topomesh.sim.simulate.Training` of one knob row."""
+    from topomesh.sim.simulate import Training
+
+    i = inputs
+    return Training(global_batch=i.global_batch, micro_batch=knobs.micro_batch, seq_len=i.seq_len or model.seq_len,
+                    dtype=i.dtype, recompute=knobs.recompute.value, sequence_parallel=i.sequence_parallel,
+                    schedule=knobs.schedule, interleave=knobs.interleave, mixed_precision=i.mixed_precision)
 
 
 def _op_table(db: str | None, device: Any) -> dict:
@@ -137,15 +141,23 @@ def cell_layouts(cell: Cell) -> list[Layout]:
 
 
 def trace_classes(inputs: PlanInputs, classes: Sequence[tuple[tuple[int, ...], Knobs]]) -> list[str | None]:
-    """Trace each (degrees, knobs) class into the cache; per class ``None`` or the error."""
-    ctx = Context.build(inputs)
-    return [_trace_one(ctx, degrees, knobs) for degrees, knobs in classes]
+    """Trace each (degrees, knobs) class into the cache; per class ``None`` or the error.
+    Builds the model only (a cluster of many thousand ranks takes seconds to build)."""
+    from topomesh.sim.inputs import load_model
+    from topomesh.trace.cache import TraceCache
+
+    model = load_model(inputs.model, seq_len=inputs.seq_len)
+    cache = TraceCache(inputs.cache_dir)
+    return [trace_one(inputs, model, cache, degrees, knobs) for degrees, knobs in classes]
 
 
-def _trace_one(ctx: Context, degrees: tuple[int, ...], knobs: Knobs) -> str | None:
+def trace_one(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> str | None:
+    """Trace one class (``None``) or say why it cannot be traced."""
+    from topomesh.sim.simulate import trace_layout
+
     lay = Layout(**{a.value: d for a, d in zip(AXES, degrees, strict=True)})
     try:
-        ctx.sim.trace(lay, ctx.training(knobs))
+        trace_layout(model, lay, training_for(inputs, model, knobs), cache)
     except TopomeshError as exc:
         return str(exc)
     return None

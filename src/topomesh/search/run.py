@@ -104,7 +104,7 @@ def search(
     workers: int = 1,
     ray_address: str | None = None,
     progress: Progress | None = None,
-    chunks_per_worker: int = 8,
+    chunks_per_worker: int = 2,
 ) -> Plan:
     """Search every layout of ``inputs``' model on its cluster (see the module docstring)."""
     t0 = time.perf_counter()
@@ -130,10 +130,10 @@ def search(
             done += len(batch)
             _tell(progress, "tracing", done, len(classes))
     else:
-        from topomesh.search.evaluate import _trace_one
+        from topomesh.search.evaluate import trace_one
 
         for i, (degrees, kn) in enumerate(classes):
-            err = _trace_one(ctx, degrees, kn)
+            err = trace_one(inputs, ctx.model, ctx.sim.cache, degrees, kn)
             if err is not None:
                 errors[(degrees, kn)] = err
             _tell(progress, "tracing", i + 1, len(classes))
