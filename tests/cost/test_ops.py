@@ -77,6 +77,25 @@ def test_one_thread_is_timed_on_the_thread_cpu_clock(threads, clock):
     assert 0 < timing.median_s < 1.0
 
 
+def test_one_thread_reads_the_thread_clock(monkeypatch):
+    """A thread clock that advances 1 s per reading gives exactly 1 s per call: the timing
+    reads it (and not the wall clock) around each call."""
+    import itertools
+    import time
+
+    import torch
+
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "thread_time", lambda: float(next(ticks)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        timing = time_op(MM, "cpu", min_repeats=5, max_repeats=5)
+    finally:
+        torch.set_num_threads(before)
+    assert timing.median_s == 1.0
+
+
 @pytest.mark.parametrize(
     "op, inputs, args",
     [

@@ -53,6 +53,8 @@ def test_peak_in_window_counts_what_is_live_when_it_opens():
     assert peak_in_window(recs, 6.5, 6.9) == 100
     # no record inside the window: what is live then
     assert peak_in_window([(1, 100), (2, -30)], 5, 9) == 70
+    # only frees inside the window: the peak is what was live when it opened
+    assert peak_in_window([(1, 100), (5, -50), (6, -20)], 4, 10) == 100
 
 
 def test_layout_result_takes_the_median_and_the_largest_rank():
