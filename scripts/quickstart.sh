@@ -23,8 +23,8 @@ if python3 -c "import topomesh.launch.cli" 2>/dev/null; then
     examples/print_topology.py
 fi
 echo
-echo "== topomesh plan: llama3-8b on 64 H100s (8 DGX nodes): every layout of tp, pp and data parallel, the best 5"
-python3 -m topomesh plan --model llama3-8b --cluster dgx-h100 --gpus 64 --global-batch 256 \
+echo "== topomesh plan: llama3-8b on 64 H100s (8 DGX nodes), tp=8: every layout of pp and data parallel, the best 5"
+python3 -m topomesh plan --model llama3-8b --cluster dgx-h100 --gpus 64 --global-batch 256 --tp 8 \
   --strategies tp,pp,dp_shard,dp_replicate --top 5 --html "$out/plan-llama3-8b.html"
 echo
 echo "== topomesh plan: tiny-llama for this machine (2 CPU ranks), then launch its best layout and train 3 steps"
