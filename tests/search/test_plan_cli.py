@@ -70,3 +70,18 @@ def test_ray_gives_the_local_plan(tmp_path: Path) -> None:
         (e.index, e.knob, e.result.to_dict()) for e in local.entries]
     assert remote.traced_classes == local.traced_classes and remote.evaluated == local.evaluated
     assert os.listdir(cache)  # the traces the tasks made are in the shared cache
+
+
+@pytest.mark.slow
+def test_local_workers_give_the_in_process_plan(tmp_path: Path) -> None:
+    from topomesh.search.evaluate import PlanInputs
+    from topomesh.search.run import search
+
+    cache = tmp_path / "traces"
+    cache.mkdir(mode=0o700)
+    inputs = PlanInputs(model="tiny-llama", cluster="dgx-h100", gpus=16, global_batch=16, cache_dir=str(cache))
+    one = search(inputs, strategies=["tp", "dp_shard", "pp"])
+    two = search(inputs, strategies=["tp", "dp_shard", "pp"], workers=2)
+    assert [(e.index, e.knob, e.result.to_dict()) for e in two.entries] == [
+        (e.index, e.knob, e.result.to_dict()) for e in one.entries]
+    assert two.evaluated == one.evaluated > 0 and two.failed == one.failed
