@@ -222,7 +222,7 @@ def test_parser_is_torchruns_plus_topology_options() -> None:
     assert theirs <= ours
     assert ours - theirs == {
         "--topology", "--topology-probe", "--topology-dir", "--topology-form",
-        "--topology-timeout", "--topology-probe-budget", "--socket-ifname",
+        "--topology-timeout", "--topology-probe-budget", "--socket-ifname", "--plan",
     }
     args = build_parser().parse_args(["--nnodes=1:4", "--topology-form=compact", "--topology-probe", "train.py", "--lr", "1"])
     assert args.nnodes == "1:4" and args.training_script == "train.py" and args.training_script_args == ["--lr", "1"]
@@ -277,7 +277,7 @@ def test_torchrun_abbreviations_mean_what_they_mean_to_torchrun(argv: list[str],
         assert "ambiguous option" in capsys.readouterr().err
     else:
         assert isinstance(ours, dict)
-        assert {k: v for k, v in ours.items() if not k.startswith("topology") and k != "socket_ifname"} == theirs
+        assert {k: v for k, v in ours.items() if not k.startswith("topology") and k not in ("socket_ifname", "plan")} == theirs
 
 
 def test_topology_options_match_only_by_full_name() -> None:

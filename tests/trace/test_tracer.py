@@ -359,3 +359,14 @@ def test_warm_up_leaves_no_gradients_behind() -> None:
     # input-gradient mm (the model's input needs none); adds: 2 residuals, 2 gradient sums
     assert (warm.op_counts["aten.addmm.default"], warm.op_counts["aten.mm.default"]) == (6, 11)
     assert warm.op_counts["aten.add.Tensor"] == 4
+
+
+def test_traces_in_one_process_do_not_share_meshes() -> None:
+    """DTensor caches sharding decisions by mesh value; a tp mesh of the next trace equal to
+    one of the last (ranks 0, 1, named tp) found the last trace's mesh there, whose process
+    groups were destroyed with it, and failed ("Could not resolve the process group ...")."""
+    spec = transformer_spec(get_preset("tiny-llama"))
+    mixed = make_parallelize(ParallelOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    trace_step(spec, mixed, {"dp_shard": 4, "tp": 2}, n_layers=1, dtype=torch.float32)
+    t = trace_step(spec, make_parallelize(), {"dp_shard": 2, "cp": 2, "tp": 2}, n_layers=1)
+    assert ("cp", 2) in t.layout

@@ -50,9 +50,9 @@ def measure_dtensor_dispatch_s(*, n: int = 200, repeats: int = 5) -> float:
     """Seconds DTensor dispatch adds per op (forward and backward ops averaged), >= 0."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from topomesh.layout import groups
     from topomesh.trace.tracer import fake_process_group
 
     plain = torch.randn(16, 16, dtype=torch.float32).requires_grad_()
@@ -60,7 +60,7 @@ def measure_dtensor_dispatch_s(*, n: int = 200, repeats: int = 5) -> float:
         raise CalibrationError("measuring DTensor dispatch needs a process without a process group "
                                "(it builds a one-rank fake group).")
     with fake_process_group(1):
-        mesh = DeviceMesh("cpu", torch.arange(1))
+        mesh = groups.init_mesh("cpu", [1], ["x"])
         shard = distribute_tensor(plain.detach(), mesh, [Shard(0)]).requires_grad_()
         base = _chain_s(plain, n, repeats)
         wrapped = _chain_s(shard, n, repeats)

@@ -139,6 +139,25 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's process-wide caches, which hold device meshes by value: a mesh of the
+    next trace equal in shape and names to one of this trace (``tp`` over ranks 0, 1) would
+    otherwise find this trace's mesh there, with the names of process groups destroyed with
+    it ("Could not resolve the process group registered under the name 3")."""
+    from torch.distributed.tensor import DTensor, _redistribute, _sharding_prop
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for fn in (getattr(prop, "propagate_op_sharding", None), getattr(_redistribute, "_gen_transform_infos", None),
+               getattr(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", None)):
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    getattr(_redistribute, "_planner_cache", {}).clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_native is not None:
+        clear_native()
 
 
 class _CudaAttentionKernels(torch.overrides.TorchFunctionMode):
