@@ -243,3 +243,17 @@ def test_only_regular_files_of_this_user_are_read(fast, tmp_path, monkeypatch) -
     link.symlink_to(path)
     with pytest.raises(OSError, match="Too many levels of symbolic links"):
         cache_mod._read_entry(link, key)
+
+
+def test_hsdp_with_context_parallel_traces_whatever_order_the_layout_gives() -> None:
+    """A class's mesh is built slowest axis first: sorted by name, cp came before dp_replicate
+    and HSDP could not slice (dp_replicate, dp_shard_cp) ("ascending order")."""
+    from topomesh.models.parallelize import make_parallelize
+    from topomesh.models.presets import get_preset
+    from topomesh.trace.tracer import transformer_spec
+
+    trace = TraceCache().get(transformer_spec(get_preset("tiny-llama")), make_parallelize(),
+                             {"cp": 2, "dp_shard": 2, "dp_replicate": 2})
+    assert trace.layout == (("dp_replicate", 2), ("dp_shard", 2), ("cp", 2))
+    axes = {e.mesh_axis for s in trace.segments for e in s.events if hasattr(e, "mesh_axis")}
+    assert "cp" in axes and any("dp_shard" in (a or "") for a in axes)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from topomesh.errors import TraceError
-from topomesh.layout.dims import Axis
+from topomesh.layout.dims import DEFAULT_ORDER, Axis
 from topomesh.privdir import private_directory
 from topomesh.topology.api import write_atomic
 from topomesh.trace import codec
@@ -55,12 +55,18 @@ REUSE_LAYERS = 1
 
 
 def layout_class(layout: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    """The part of a layout a rank's trace depends on, in a canonical order.
+    """The part of a layout a rank's trace depends on, in a canonical order: the default
+    mesh order, slowest axis first (a traced mesh needs ``dp_replicate`` before ``dp_shard``
+    and ``cp``, whose flattened ``dp_shard_cp`` dim HSDP slices after it).
 
     >>> layout_class({"tp": 8, "pp": 4, "dp_replicate": 1, "dp_shard": 2})
     (('dp_shard', 2), ('tp', 8))
+    >>> layout_class({"cp": 2, "dp_shard": 2, "dp_replicate": 2})
+    (('dp_replicate', 2), ('dp_shard', 2), ('cp', 2))
     """
-    return tuple(sorted((str(a), int(d)) for a, d in layout.items() if a != Axis.PP and d > 1))
+    rank = {a.value: i for i, a in enumerate(reversed(DEFAULT_ORDER))}
+    items = [(str(Axis.parse(a).value), int(d)) for a, d in layout.items() if a != Axis.PP and d > 1]
+    return tuple(sorted(items, key=lambda kv: rank[kv[0]]))
 
 
 def callable_key(fn: Callable | None) -> str:
