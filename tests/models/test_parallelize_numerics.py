@@ -1,5 +1,6 @@
 """parallelize_transformer on real tensors: 2 gloo processes match the one-process reference
-(TP+SP for GPT and Llama, FSDP2, expert parallel with all-to-all)."""
+(TP+SP for GPT and Llama, FSDP2, replication alone (HSDP with shards of one: DDP's traffic),
+expert parallel with all-to-all)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def _worker(rank: int, port: int) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        for preset, axis in (("tiny-llama", "tp"), ("tiny-gpt", "tp"), ("tiny-llama", "dp_shard"), ("tiny-moe", "ep")):
+        for preset, axis in (("tiny-llama", "tp"), ("tiny-gpt", "tp"), ("tiny-llama", "dp_shard"), ("tiny-llama", "dp_replicate"),
+                             ("tiny-moe", "ep")):
             torch.manual_seed(0)
             cfg = get_preset(preset)
             ref = Transformer(cfg)

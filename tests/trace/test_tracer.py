@@ -370,3 +370,13 @@ def test_traces_in_one_process_do_not_share_meshes() -> None:
     trace_step(spec, mixed, {"dp_shard": 4, "tp": 2}, n_layers=1, dtype=torch.float32)
     t = trace_step(spec, make_parallelize(), {"dp_shard": 2, "cp": 2, "tp": 2}, n_layers=1)
     assert ("cp", 2) in t.layout
+
+
+def test_replication_alone_is_ddp_traffic() -> None:
+    """dp_replicate without a shard axis is HSDP with shards of one: every gradient is
+    all-reduced over dp_replicate once (bf16: 2 bytes per parameter) and nothing is gathered."""
+    cfg = get_preset("tiny-llama")
+    t = _trace("tiny-llama", (("dp_replicate", 2),), split=False).summary()
+    kinds = {(k, axis, phase) for (k, axis, phase) in t.collectives}
+    assert kinds == {("all_reduce", "dp_replicate", "backward")}
+    assert t.collectives[("all_reduce", "dp_replicate", "backward")].bytes == 2 * cfg.total_params()

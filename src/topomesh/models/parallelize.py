@@ -142,10 +142,16 @@ def parallelize_transformer(
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The mesh FSDP2 shards over: ``dp_shard`` and ``cp`` flattened into ``dp_shard_cp``
-    when both are > 1, under ``dp_replicate`` (HSDP) when that is > 1; None when all are 1."""
+    when both are > 1, under ``dp_replicate`` (HSDP) when that is > 1; ``dp_replicate`` alone
+    is HSDP with shards of one (DDP's traffic); None when all are 1."""
     names = list(mesh.mesh_dim_names or ())
     shard = sorted((a.value for a in (Axis.DP_SHARD, Axis.CP) if _axis_size(mesh, a) > 1), key=names.index)
     flat = groups.flatten(mesh, shard, "dp_shard_cp") if len(shard) > 1 else None
+    if _axis_size(mesh, Axis.DP_REPLICATE) > 1 and not shard:
+        # replication alone: HSDP with shards of one (a 2-D mesh whose shard dim has size 1),
+        # which is DDP's traffic: gradients all-reduced over dp_replicate, nothing gathered
+        rep = mesh[Axis.DP_REPLICATE.value]
+        return rep._unflatten(0, (rep.size(), 1), (Axis.DP_REPLICATE.value, Axis.DP_SHARD.value))
     if _axis_size(mesh, Axis.DP_REPLICATE) > 1:
         dims = (Axis.DP_REPLICATE.value, *(flat.mesh_dim_names if flat is not None else shard))
         with warnings.catch_warnings():
