@@ -33,41 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the simulated step as a Chrome trace (Perfetto, chrome://tracing)")
 
 
-def op_fingerprints(device: object, *, threads: int = 1) -> list[str]:
-    """The fingerprints under which ``topomesh profile`` stores tables for ``device``: the
-    names a GPU reports (its spec's ``fingerprints``), or this CPU at ``threads`` torch threads
-    per process (measured FLOP/s depend on the thread count)."""
-    import os
-
-    from topomesh.cost.devices import cpu_model_name
-    from topomesh.topology.model import DeviceKind
-
-    if device.kind is DeviceKind.CPU:
-        return [f"cpu:{cpu_model_name()} x{os.cpu_count()} t{threads}"]
-    return list(device.fingerprints)
-
-
-def op_table(db: str | None, device: object, *, threads: int = 1) -> dict:
-    """Measured op times for ``device`` from the op database (empty when there is none)."""
-    from pathlib import Path
-
-    from topomesh.cost.opdb import OpProfileDB, default_db_path
-
-    path = Path(db) if db else default_db_path()
-    if not db and not path.is_file():
-        return {}
-    with OpProfileDB(path) as store:
-        for fp in op_fingerprints(device, threads=threads):
-            table = store.table(fp)
-            if table:
-                return table
-    return {}
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from topomesh.cost.cluster import Cluster
+    from topomesh.cost.opdb import device_table
     from topomesh.sim.inputs import (
         cluster_from_args,
         layout_from_args,
@@ -82,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     layout = layout_from_args(args, cluster.world_size)
     training = training_from_args(args, layout, model)
     sim = Simulator(model=model, cluster=cluster, cache=TraceCache(default_directory()),
-                    table=op_table(args.db, cluster.device, threads=cluster.threads_per_rank))
+                    table=device_table(cluster.device, db=args.db, threads=cluster.threads_per_rank))
     err = Console(stderr=True)
     with err.status(f"tracing {model.spec.name} under {layout.describe()} (cached after the first time)"):
         sim.trace(layout, training)

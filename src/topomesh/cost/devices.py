@@ -186,11 +186,21 @@ def cpu_model_name(cpuinfo: str | None = None) -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def cpu_fingerprint() -> str:
-    """``cpu:<model> x<logical cpus> t<torch threads>``: thread count changes measured FLOP/s."""
+def cpu_fingerprint(threads: int | None = None) -> str:
+    """``cpu:<model> x<logical cpus> t<torch threads>``: thread count changes measured FLOP/s.
+    ``threads`` names another thread count than this process's (a cluster's ranks)."""
     import torch
 
-    return f"cpu:{cpu_model_name()} x{os.cpu_count()} t{torch.get_num_threads()}"
+    return f"cpu:{cpu_model_name()} x{os.cpu_count()} t{torch.get_num_threads() if threads is None else threads}"
+
+
+def table_fingerprints(spec: DeviceSpec, *, threads: int = 1) -> list[str]:
+    """The fingerprints under which ``topomesh profile`` stores op tables for ``spec``: the
+    names a GPU reports (its ``fingerprints``), or this CPU at ``threads`` torch threads per
+    process."""
+    if spec.kind is DeviceKind.CPU:
+        return [cpu_fingerprint(threads)]
+    return list(spec.fingerprints)
 
 
 def cuda_fingerprint(index: int = 0) -> str:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from topomesh.cost.devices import cache_dir, private_cache_dir
+from topomesh.cost.devices import DeviceSpec, cache_dir, private_cache_dir, table_fingerprints
 from topomesh.errors import CalibrationError
 
 SCHEMA_VERSION = "2"
@@ -387,3 +387,17 @@ def _check_schema(conn: sqlite3.Connection) -> None:
         row = conn.execute(f"SELECT * FROM {table} WHERE {wrong} LIMIT 1").fetchone()
         if row is not None:
             raise sqlite3.DatabaseError(f"table {table} holds a value of the wrong type (e.g. {str(row)[:120]})")
+
+
+def device_table(spec: DeviceSpec, *, db: str | os.PathLike[str] | None = None, threads: int = 1) -> dict[Key, float]:
+    """Measured op times for ``spec`` (see :func:`~topomesh.cost.devices.table_fingerprints`)
+    from ``db`` or, when it exists, the shared database; empty when there are none."""
+    path = Path(db) if db is not None else default_db_path()
+    if db is None and not path.is_file():
+        return {}
+    with OpProfileDB(path) as store:
+        for fp in table_fingerprints(spec, threads=threads):
+            table = store.table(fp)
+            if table:
+                return table
+    return {}

@@ -85,6 +85,7 @@ class Context:
 
     @classmethod
     def build(cls, inputs: PlanInputs) -> Context:
+        from topomesh.cost.opdb import device_table
         from topomesh.sim.inputs import load_model
         from topomesh.sim.simulate import Simulator
         from topomesh.trace.cache import TraceCache
@@ -92,7 +93,7 @@ class Context:
         model = load_model(inputs.model, seq_len=inputs.seq_len)
         cluster = build_cluster(inputs)
         sim = Simulator(model=model, cluster=cluster, cache=TraceCache(inputs.cache_dir),
-                        table=_op_table(inputs.db, cluster.device))
+                        table=device_table(cluster.device, db=inputs.db, threads=cluster.threads_per_rank))
         return cls(inputs=inputs, model=model, cluster=cluster, sim=sim)
 
     def training(self, knobs: Knobs) -> Any:
@@ -107,20 +108,6 @@ def training_for(inputs: PlanInputs, model: Any, knobs: Knobs) -> Any:
     return Training(global_batch=i.global_batch, micro_batch=knobs.micro_batch, seq_len=i.seq_len or model.seq_len,
                     dtype=i.dtype, recompute=knobs.recompute.value, sequence_parallel=i.sequence_parallel,
                     schedule=knobs.schedule, interleave=knobs.interleave, mixed_precision=i.mixed_precision)
-
-
-def _op_table(db: str | None, device: Any) -> dict:
-    """Measured op times as ``topomesh simulate`` reads them; a device the op database cannot
-    fingerprint (a preset's GPU on this CPU machine) has none, and the roofline prices it."""
-    from topomesh.cli.simulate import op_table
-    from topomesh.errors import CalibrationError
-
-    try:
-        return op_table(db, device)
-    except CalibrationError:
-        if db:
-            raise
-        return {}
 
 
 def build_cluster(inputs: PlanInputs) -> Any:
