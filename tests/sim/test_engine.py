@@ -12,7 +12,7 @@ from topomesh.sim.schedules import action_order
 
 
 def piece(work: Work, count: int = 1, label: str = "p") -> Piece:
-    return Piece(work=work, count=count, label=label, compute_s=work.compute_s)
+    return Piece(work=work, count=count, label=label)
 
 
 def test_two_ops_and_an_overlapped_gather():

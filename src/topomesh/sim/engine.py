@@ -87,15 +87,14 @@ def _issue(state: RankState, comms: Sequence[Comm], at: float, label: str) -> tu
     return end, axis
 
 
-def _run_piece(state: RankState, work: Work, gather_end: tuple[float, str], label: str, compute_s: float,
-               reduce: bool = True) -> float:
+def _run_piece(state: RankState, work: Work, gather_end: tuple[float, str], label: str) -> float:
     """Run one piece whose gathers end at ``gather_end``; returns the piece's start time."""
     t = state.compute_free
     g_end, g_axis = gather_end
     start = max(t, g_end)
     state.book(g_axis, start - t)
-    t = start + compute_s
-    state.compute_s += compute_s
+    t = start + work.compute_s
+    state.compute_s += work.compute_s
     state.span("compute", label, start, t)
     for c in work.blocking:
         s = max(t, state.stream_free[c.stream])
@@ -104,7 +103,7 @@ def _run_piece(state: RankState, work: Work, gather_end: tuple[float, str], labe
         state.span(f"comm:{c.stream.value}", f"{label} {c.axis}", s, s + c.seconds)
         t = s + c.seconds
     state.compute_free = t
-    if reduce and work.reduce:
+    if work.reduce:
         r_end, r_axis = _issue(state, work.reduce, t, f"{label} reduce")
         if r_end >= state.reduce_end:
             state.reduce_end, state.reduce_axis = r_end, r_axis
@@ -116,8 +115,6 @@ class Piece:
     work: Work
     count: int
     label: str
-    compute_s: float
-    reduce: bool = True
 
 
 def run_pieces(state: RankState, pieces: Sequence[Piece]) -> None:
@@ -134,12 +131,12 @@ def run_pieces(state: RankState, pieces: Sequence[Piece]) -> None:
             last_copy = done == p.count - 1
             next_work = p.work if not last_copy else (nxt.work if nxt else None)
             t0 = state.compute_free
-            start = _start_time(state, pending)
+            start = max(state.compute_free, pending[0])
             if next_work is not None and next_work.gather:
                 nxt_pending = _issue(state, next_work.gather, start, "gather")
             else:
                 nxt_pending = (start, "")
-            _run_piece(state, p.work, pending, p.label, p.compute_s, p.reduce)
+            _run_piece(state, p.work, pending, p.label)
             pending = nxt_pending
             done += 1
             # fast-forward identical copies once every component advances by the same amount
@@ -195,10 +192,6 @@ def run_action(state: RankState, pieces: Sequence[Piece], memo: dict | None) -> 
     state.compute_s += d_compute
     for k, v in d_exposed.items():
         state.exposed[k] = state.exposed.get(k, 0.0) + v
-
-
-def _start_time(state: RankState, pending: tuple[float, str]) -> float:
-    return max(state.compute_free, pending[0])
 
 
 def _diff(a: tuple[float, ...], b: tuple[float, ...]) -> float | None:

@@ -316,15 +316,14 @@ def _pieces(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
     first, last = s == 0, s == stages - 1
 
     def pieces(*items: tuple[Work, int, str, bool]) -> tuple[Piece, ...]:
-        return tuple(Piece(work=w, count=c, label=lbl, compute_s=w.compute_s) for w, c, lbl, keep in items if keep and c)
+        return tuple(Piece(work=w, count=c, label=lbl) for w, c, lbl, keep in items if keep and c)
 
     fwd = pieces((p.fwd_pre, 1, "embed fwd", first), (p.fwd_block, n, "block fwd", True), (p.fwd_post, 1, "head fwd", last))
     bwd_items = ((p.bwd_post, 1, "head bwd", last), (p.bwd_block, n, "block bwd", True), (p.bwd_pre, 1, "embed bwd", first))
     bwd = pieces(*bwd_items)
-    bwd_i = tuple(Piece(work=dataclasses.replace(w, reduce=()), count=c, label=lbl.replace("bwd", "bwd-I"),
-                        compute_s=w.compute_s - w.weight_grad_s) for w, c, lbl, keep in bwd_items if keep and c)
-    bwd_w = tuple(Piece(work=Work(compute_s=w.weight_grad_s, reduce=w.reduce), count=c,
-                        label=lbl.replace("bwd", "bwd-W"), compute_s=w.weight_grad_s)
+    bwd_i = tuple(Piece(work=dataclasses.replace(w, reduce=(), compute_s=w.compute_s - w.weight_grad_s), count=c,
+                        label=lbl.replace("bwd", "bwd-I")) for w, c, lbl, keep in bwd_items if keep and c)
+    bwd_w = tuple(Piece(work=Work(compute_s=w.weight_grad_s, reduce=w.reduce), count=c, label=lbl.replace("bwd", "bwd-W"))
                   for w, c, lbl, keep in bwd_items if keep and c)
     opt = pieces((p.opt_block, n, "optimizer", True), (p.opt_first, 1, "optimizer (embed)", first),
                  (p.opt_last, 1, "optimizer (head)", last))
