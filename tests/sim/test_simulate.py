@@ -119,6 +119,11 @@ def test_pipeline_stages_hold_their_share_of_layers(wide16):
     r = wide16.simulate(Layout(pp=4, tp=4), Training(global_batch=8))
     assert [m.in_flight for m in r.memory] == [4, 3, 2, 1]  # 1F1B warm-up depth per rank
     assert r.breakdown.bubble_s > 0 and r.layout["schedule"] == "1f1b"
+    # a stage sends its block output: micro-batch 1 × (1024 / tp 4, sequence parallel) × 2048 × 2 B
+    alone = Simulator(model=wide16.model, cluster=wide16.cluster, cache=wide16.cache)  # the trace is cached
+    alone.simulate(Layout(pp=4, tp=4), Training(global_batch=8))
+    (priced,) = alone._memo.priced.values()
+    assert priced.boundary_bytes == 1 * 1024 // 4 * 2048 * 2
     assert split_layers(4, 4) == [1, 1, 1, 1]
     assert split_layers(10, 4) == [3, 3, 2, 2] and split_layers(7, 7) == [1] * 7
 

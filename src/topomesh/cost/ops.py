@@ -140,7 +140,8 @@ def op_dtype(record: OpRecord) -> str:
     return "float32"
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a torch dtype name (``bfloat16`` -> 2)."""
     import torch
 
     return getattr(torch, dtype).itemsize
@@ -150,7 +151,7 @@ def record_bytes(record: OpRecord) -> int:
     """Bytes the op moves: ``bytes_moved`` when the tracer set it, else inputs + outputs."""
     if record.bytes_moved is not None:
         return record.bytes_moved
-    return sum(t.numel * _itemsize(t.dtype) for t in (*record.inputs, *record.outputs))
+    return sum(t.numel * itemsize(t.dtype) for t in (*record.inputs, *record.outputs))
 
 
 def roofline_time_s(

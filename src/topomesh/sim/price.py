@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from topomesh.cost.cluster import AxisLink, Cluster, group_collective_time_s
-from topomesh.cost.ops import OpClass, op_class, op_time_s, profilable
+from topomesh.cost.ops import OpClass, itemsize, op_class, op_time_s, profilable
 from topomesh.layout.dims import Axis
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase
 from topomesh.trace.result import Part, Segment, StateBytes, Trace
@@ -271,7 +271,7 @@ def price_trace(trace: Trace, pricer: Pricer) -> PricedClass:
     boundary = 0
     if block_fwd:
         out = block_fwd[-1].outputs
-        boundary = sum(t.numel * _itemsize(t.dtype) for t in out[:1])
+        boundary = sum(t.numel * itemsize(t.dtype) for t in out[:1])
     return PricedClass(
         fwd_pre=pricer.work(f_pre),
         fwd_block=_per_block(pricer.work(f_blocks), n),
@@ -296,9 +296,3 @@ def _scaled(work: Work, k: float) -> Work:
     the last stage by their state bytes."""
     return Work(compute_s=work.compute_s * k, blocking=tuple(Comm(c.axis, c.stream, c.seconds * k) for c in work.blocking),
                 flops=int(work.flops * k))
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return getattr(torch, dtype).itemsize
