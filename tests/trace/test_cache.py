@@ -257,3 +257,39 @@ def test_hsdp_with_context_parallel_traces_whatever_order_the_layout_gives() -> 
     assert trace.layout == (("dp_replicate", 2), ("dp_shard", 2), ("cp", 2))
     axes = {e.mesh_axis for s in trace.segments for e in s.events if hasattr(e, "mesh_axis")}
     assert "cp" in axes and any("dp_shard" in (a or "") for a in axes)
+
+
+@pytest.mark.parametrize("layout", [{"dp_replicate": 4}, {"dp_replicate": 4, "dp_shard": 2},
+                                    {"dp_replicate": 8, "tp": 2}])
+def test_a_replicate_degree_shares_the_trace_at_two_exactly(layout: dict, counted: list[dict]) -> None:
+    """A class with dp_replicate above 2 is the dp_replicate=2 trace with the group sizes of
+    its replicate collectives rewritten; record by record it equals a trace at the degree itself."""
+    from topomesh.trace.tracer import trace_step
+
+    spec, par = transformer_spec(get_preset("tiny-llama")), make_parallelize()
+    cache = TraceCache()
+    shared = cache.get(spec, par, layout)
+    assert [c["layout"] for c in counted] == [{**layout, "dp_replicate": 2}]
+    real = trace_step(spec, par, dict(layout_class(layout)), n_layers=1).compose(spec.n_layers)
+    assert shared.layout == real.layout == layout_class(layout)
+    assert shared.segments == real.segments
+    groups = {e.group_size for e in shared.events() if getattr(e, "mesh_axis", None) == "dp_replicate"}
+    assert groups == {layout["dp_replicate"]}
+    # a second degree reuses the same trace: still one traced class
+    cache.get(spec, par, {**layout, "dp_replicate": 16})
+    assert len(counted) == 1
+
+
+def test_regroup_refuses_collectives_whose_bytes_scale_with_the_group(tiny_trace) -> None:  # noqa: ANN001
+    from topomesh.trace.cache import regroup
+    from topomesh.trace.graph import CollectiveKind, CollectiveRecord
+    from topomesh.trace.result import Segment
+
+    gather = CollectiveRecord(kind=CollectiveKind.ALL_GATHER, bytes=64, group_size=2, mesh_axis="dp_replicate")
+    seg = dataclasses.replace(tiny_trace.segments[0], events=(gather,))
+    trace = dataclasses.replace(tiny_trace, segments=(seg,), layout=(("dp_replicate", 2),))
+    assert regroup(trace, {"dp_replicate": 4}) is None
+    reduce = dataclasses.replace(gather, kind=CollectiveKind.ALL_REDUCE)
+    ok = regroup(dataclasses.replace(trace, segments=(Segment(part=seg.part, phase=seg.phase, events=(reduce,)),)),
+                 {"dp_replicate": 4})
+    assert ok is not None and ok.segments[0].events[0].group_size == 4 and ok.layout == (("dp_replicate", 4),)

@@ -22,11 +22,13 @@ anything else is logged, traced again and overwritten. The default directory is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import hashlib
 import json
 import logging
+import math
 import os
 import stat
 import zlib
@@ -67,6 +69,70 @@ def layout_class(layout: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     rank = {a.value: i for i, a in enumerate(reversed(DEFAULT_ORDER))}
     items = [(str(Axis.parse(a).value), int(d)) for a, d in layout.items() if a != Axis.PP and d > 1]
     return tuple(sorted(items, key=lambda kv: rank[kv[0]]))
+
+
+SHARED_REPLICATE = 2
+"""The ``dp_replicate`` degree every class with ``dp_replicate`` above 1 is traced at."""
+
+
+def shared_class(layout: Mapping[str, int]) -> dict[str, int]:
+    """The class actually traced for ``layout``'s class: ``dp_replicate`` above 1 traced at
+    :data:`SHARED_REPLICATE` (see :func:`regroup` for why that is exact).
+
+    >>> shared_class({"dp_replicate": 64, "dp_shard": 8, "tp": 8})
+    {'dp_replicate': 2, 'dp_shard': 8, 'tp': 8}
+    """
+    out = dict(layout_class(layout))
+    if out.get(Axis.DP_REPLICATE.value, 1) > 1:
+        out[Axis.DP_REPLICATE.value] = SHARED_REPLICATE
+    return out
+
+
+def regroup(trace: Trace, layout: Mapping[str, int]) -> Trace | None:
+    """``trace`` (traced at :func:`shared_class` of ``layout``) as the trace of ``layout``'s
+    class; ``None`` when that is not exact for this trace.
+
+    Why it is exact: replicas over ``dp_replicate`` hold the same parameters and run the same
+    micro-batch shapes (the micro-batch size is part of the class), so one rank's ops, their
+    shapes and every tensor it keeps are the same for any replicate degree above 1; what the
+    degree changes is the size of the groups of the collectives that run over it. For an
+    all-reduce (FSDP2's HSDP gradient sync, DDP) and a broadcast the per-rank buffer does not
+    depend on the group size either, so only ``group_size`` is rewritten. A trace with any
+    other kind of collective over ``dp_replicate`` (its per-rank bytes would scale with the
+    group) is not shared: ``None``, and the class is traced itself. A test compares a shared
+    trace with one traced at the degree itself, record by record.
+    """
+    from topomesh.trace.graph import CollectiveKind, CollectiveRecord
+
+    real = dict(layout_class(layout))
+    traced = dict(trace.layout)
+    if set(real) != set(traced):
+        return None
+    size_free = {CollectiveKind.ALL_REDUCE, CollectiveKind.BROADCAST}
+
+    def fix(e):
+        if not isinstance(e, CollectiveRecord) or not e.mesh_axis:
+            return e
+        axes = e.mesh_axis.split("+")
+        if Axis.DP_REPLICATE.value not in axes:
+            return e
+        if e.kind not in size_free or any(a not in real for a in axes):
+            raise _NotShared
+        if e.group_size != math.prod(traced[a] for a in axes):
+            raise _NotShared
+        return dataclasses.replace(e, group_size=math.prod(real[a] for a in axes))
+
+    try:
+        segments = tuple(dataclasses.replace(s, events=tuple(fix(e) for e in s.events),
+                                             prefetch=tuple(fix(e) for e in s.prefetch))
+                         for s in trace.segments)
+    except _NotShared:
+        return None
+    return dataclasses.replace(trace, segments=segments, layout=tuple((a, real[a]) for a, _ in trace.layout))
+
+
+class _NotShared(Exception):
+    pass
 
 
 def callable_key(fn: Callable | None) -> str:
@@ -114,6 +180,7 @@ class TraceCache:
         not a directory) is not used: a warning says why and traces stay in memory.
         """
         self._traces: dict[str, Trace] = {}
+        self._regrouped: dict[tuple, tuple] = {}  # (id of the shared trace's segments, class) -> (segments, trace)
         self.directory = _usable_directory(Path(directory)) if directory is not None else None
         self.hits = 0
         self.misses = 0
@@ -151,6 +218,22 @@ class TraceCache:
         optimizer: OptimizerFactory | None = default_optimizer,
     ) -> Trace:
         """The step of ``spec`` at full depth under ``layout``, traced at most once per class."""
+        wanted = dict(layout_class(layout))
+        traced_class = shared_class(wanted)
+        if traced_class != wanted:
+            base = self.get(spec, parallelize, traced_class, batch_size=batch_size, dtype=dtype, optimizer=optimizer)
+            memo_key = (id(base.segments), tuple(sorted(wanted.items())))
+            hit = self._regrouped.get(memo_key)
+            if hit is None:
+                regrouped = regroup(base, wanted)
+                if regrouped is None:  # the sharing would not be exact for this trace: trace the class itself
+                    return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
+                hit = self._regrouped[memo_key] = (base.segments, regrouped)
+            return hit[1].compose(spec.n_layers) if spec.n_layers > hit[1].traced_layers else hit[1]
+        return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
+
+    def _get_exact(self, spec: ModelSpec, parallelize: ParallelizeFn | None, layout: Mapping[str, int],
+                   batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None) -> Trace:
         key = self.key(spec, parallelize, layout, batch_size=batch_size, dtype=dtype, optimizer=optimizer)
         trace = self._traces.get(key) or self._load(key)
         if trace is None:
