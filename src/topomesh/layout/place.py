@@ -82,14 +82,7 @@ class Placement:
     """The inverse of ``ranks``: ``_logical[physical] = logical``."""
 
     def __post_init__(self) -> None:
-        if sorted(self.ranks) != list(range(self.layout.world_size)):
-            raise LayoutError(
-                f"a placement must use each of the {self.layout.world_size} ranks once, got {list(self.ranks)}"
-            )
-        logical = [0] * len(self.ranks)
-        for i, r in enumerate(self.ranks):
-            logical[r] = i
-        object.__setattr__(self, "_logical", tuple(logical))
+        object.__setattr__(self, "_logical", _inverse(self.ranks, self.layout.world_size))
 
     def mesh(self) -> np.ndarray:
         """Physical ranks shaped ``layout.mesh_shape`` (dims ``layout.mesh_axes``)."""
@@ -108,6 +101,26 @@ class Placement:
     def coords(self, rank: int) -> dict[Axis, int]:
         """Grid coordinates of physical ``rank``."""
         return rank_to_coords(self.logical_rank(rank), self.layout)
+
+
+_INVERSES: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+"""The last few rank lists checked, by id (a search places thousands of layouts on one list)."""
+
+
+def _inverse(ranks: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """``logical[physical]`` of a rank list that uses each of ``world`` ranks once."""
+    hit = _INVERSES.get(id(ranks))
+    if hit is not None and hit[0] is ranks and len(ranks) == world:
+        return hit[1]
+    if sorted(ranks) != list(range(world)):
+        raise LayoutError(f"a placement must use each of the {world} ranks once, got {list(ranks)}")
+    logical = [0] * len(ranks)
+    for i, r in enumerate(ranks):
+        logical[r] = i
+    if len(_INVERSES) >= 16:
+        _INVERSES.clear()
+    _INVERSES[id(ranks)] = (ranks, tuple(logical))
+    return _INVERSES[id(ranks)][1]
 
 
 def locality_order(topo: Topology) -> list[int]:

@@ -38,7 +38,7 @@ from topomesh.search.evaluate import (
     with_order,
 )
 from topomesh.search.prune import PruneResult, PruneSetup, prune
-from topomesh.search.space import AXES, Knobs, KnobTable, Space, enumerate_space
+from topomesh.search.space import AXES, COLUMN, Knobs, KnobTable, Space, enumerate_space
 from topomesh.sim.result import StepResult
 from topomesh.sim.simulate import placed_ranks
 
@@ -115,7 +115,7 @@ def search(
     space = enumerate_space(world, strategies=strategies, fixed=fixed, knobs=knobs)
     pruning = _prune(ctx, inputs, space)
     cells = _cells(space, pruning)
-    classes = list(dict.fromkeys((c.degrees, _class_knobs(kn)) for c in cells for _, kn in c.knobs))
+    classes = list(dict.fromkeys(_trace_class(c.degrees, kn) for c in cells for _, kn in c.knobs))
     parallel = workers > 1 or ray_address is not None
     slots = (workers if ray_address is None else max(workers, 1)) * chunks_per_worker
 
@@ -227,7 +227,7 @@ def _drop_failed(cells: list[Cell], errors: dict[tuple, str]) -> tuple[list[Cell
     for c in cells:
         ok = []
         for k, kn in c.knobs:
-            err = errors.get((c.degrees, _class_knobs(kn)))
+            err = errors.get(_trace_class(c.degrees, kn))
             if err is None:
                 ok.append((k, kn))
             else:
@@ -236,6 +236,20 @@ def _drop_failed(cells: list[Cell], errors: dict[tuple, str]) -> tuple[list[Cell
         if ok:
             kept.append(Cell(row=c.row, degrees=c.degrees, knobs=tuple(ok)))
     return kept, failed
+
+
+def _trace_class(degrees: tuple[int, ...], knobs: Knobs) -> tuple[tuple[int, ...], Knobs]:
+    """What one trace serves (:func:`~topomesh.trace.cache.shared_class`): the degrees without
+    ``pp`` (a stage runs the same block step) and with ``dp_replicate`` above 1 at its shared
+    degree, and the knobs a trace depends on."""
+    from topomesh.layout.dims import Axis
+    from topomesh.trace.cache import SHARED_REPLICATE
+
+    out = list(degrees)
+    out[COLUMN[Axis.PP]] = 1
+    if out[COLUMN[Axis.DP_REPLICATE]] > 1:
+        out[COLUMN[Axis.DP_REPLICATE]] = SHARED_REPLICATE
+    return tuple(out), _class_knobs(knobs)
 
 
 def _class_knobs(k: Knobs) -> Knobs:

@@ -153,12 +153,19 @@ class Pricer:
     def work(self, segments: Iterable[Segment], *, exclude: Counter | None = None, extra_gather: Iterable = ()) -> Work:
         """One :class:`Work` from segments (summed); ``exclude`` drops records (a multiset)
         that belong to another piece, ``extra_gather`` adds records issued elsewhere."""
+        return self.priced(self.digest(segments, exclude=exclude, extra_gather=extra_gather))
+
+    def digest(self, segments: Iterable[Segment], *, exclude: Counter | None = None,
+               extra_gather: Iterable = ()) -> Digest:
+        """What :meth:`work` computes without the links: op times and the collectives sorted
+        by how they run (the same on every placement, so :func:`price_trace` keeps it per trace)."""
         drop = Counter(exclude or ())
         compute = weight = 0.0
-        flops = saved = peak = gathered = reduced = 0
-        blocking: list[Comm] = []
-        gather: list[Comm] = []
-        reduce: list[Comm] = []
+        flops = saved = peak = gathered = reduced = measured = roofline = 0
+        blocking: list[CollectiveRecord] = []
+        gather: list[CollectiveRecord] = []
+        reduce: list[CollectiveRecord] = []
+        shared = self.cluster.collectives_share_compute
         for seg in segments:
             saved += seg.saved_bytes
             peak = max(peak, seg.peak_output_bytes)
@@ -169,7 +176,12 @@ class Pricer:
                 if isinstance(e, OpRecord):
                     if not profilable(e):
                         continue
+                    before = self.measured
                     s = self.op_s(e)
+                    if self.measured > before:
+                        measured += 1
+                    else:
+                        roofline += 1
                     if e.phase in self.dtensor_phases:
                         s += self.cluster.dtensor_dispatch_s * self.cluster.core_share
                     compute += s
@@ -177,26 +189,51 @@ class Pricer:
                     if e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL:
                         weight += s / 2
                 elif e.group_size > 1:
-                    c = self.comm(e)
                     if is_param_collective(e) and e.kind is not CollectiveKind.ALL_GATHER and e.phase is not Phase.OPTIMIZER:
                         reduced += e.bytes
-                    if self.cluster.collectives_share_compute:
-                        blocking.append(c)  # no overlap: the compute cores run it
+                    if shared:
+                        blocking.append(e)  # no overlap: the compute cores run it
                         gathered += e.bytes if is_param_collective(e) and e.kind is CollectiveKind.ALL_GATHER else 0
                     elif is_param_collective(e) and e.phase is not Phase.OPTIMIZER:
                         if e.kind is CollectiveKind.ALL_GATHER:
-                            gather.append(c)
+                            gather.append(e)
                             gathered += e.bytes
                         else:
-                            reduce.append(c)
+                            reduce.append(e)
                     else:
-                        blocking.append(c)
+                        blocking.append(e)
         extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]
-        (blocking if self.cluster.collectives_share_compute else gather).extend(self.comm(e) for e in extra)
+        (blocking if shared else gather).extend(extra)
         gathered += sum(e.bytes for e in extra)
-        return Work(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
-                    flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
-                    gather_bytes=gathered, reduce_bytes=reduced)
+        return Digest(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
+                      flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
+                      gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline)
+
+    def priced(self, d: Digest) -> Work:
+        """``d`` with its collectives priced on their links."""
+        return Work(compute_s=d.compute_s, blocking=tuple(self.comm(e) for e in d.blocking),
+                    gather=tuple(self.comm(e) for e in d.gather), reduce=tuple(self.comm(e) for e in d.reduce),
+                    flops=d.flops, weight_grad_s=d.weight_grad_s, saved_bytes=d.saved_bytes,
+                    peak_output_bytes=d.peak_output_bytes, gather_bytes=d.gather_bytes, reduce_bytes=d.reduce_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Digest:
+    """A piece before its collectives are priced (:meth:`Pricer.digest`)."""
+
+    compute_s: float
+    blocking: tuple[CollectiveRecord, ...]
+    gather: tuple[CollectiveRecord, ...]
+    reduce: tuple[CollectiveRecord, ...]
+    flops: int
+    weight_grad_s: float
+    saved_bytes: int
+    peak_output_bytes: int
+    gather_bytes: int
+    reduce_bytes: int
+    measured: int
+    """Ops priced from the op table (counted once per op record of the piece)."""
+    roofline: int
 
 
 def _split(segments: Iterable[Segment], phase: Phase) -> tuple[list[Segment], list[Segment], list[Segment]]:
@@ -252,36 +289,36 @@ def dtensor_phases(layout: Iterable[tuple[str, int]]) -> frozenset[Phase]:
     return frozenset(phases)
 
 
-def price_trace(trace: Trace, pricer: Pricer) -> PricedClass:
-    """Price a trace (as traced, not composed: blocks are priced once and repeated by the engine)."""
-    pricer.dtensor_phases = dtensor_phases(trace.layout) if pricer.cluster.dtensor_dispatch_s else frozenset()
+def price_trace(trace: Trace, pricer: Pricer, digests: dict | None = None) -> PricedClass:
+    """Price a trace (as traced, not composed: blocks are priced once and repeated by the engine).
+
+    ``digests`` (a dict kept between calls) holds each trace's link-free part
+    (:meth:`Pricer.digest` of every piece), so pricing the same trace on other links only
+    prices its collectives; exact, the digest is what the links do not change."""
+    key = id(trace.segments)
+    hit = None if digests is None else digests.get(key)
+    if hit is None:
+        hit = (trace.segments, _digest_trace(trace, pricer))
+        if digests is not None:
+            digests[key] = hit
+    pieces, boundary = hit[1]
+    for d in pieces.values():
+        pricer.measured += d.measured
+        pricer.roofline += d.roofline
     n = trace.traced_layers
-    f_pre, f_blocks, f_post = _split(trace.segments, Phase.FORWARD)
-    b_post, b_blocks, b_pre = _split(trace.segments, Phase.BACKWARD)
-    o_pre, o_blocks, o_post = _split(trace.segments, Phase.OPTIMIZER)
-    # FSDP's backward all-gather of the block that runs first in backward is issued by the
-    # head: the records stay in that REST segment and are listed as the block's prefetch.
-    prefetch = [e for s in b_blocks for e in s.prefetch]
-    moved = Counter(prefetch)
-    bwd_block = pricer.work(b_blocks, extra_gather=prefetch)
-    opt_rest = pricer.work([*o_pre, *o_post])
+    work = {name: pricer.priced(d) for name, d in pieces.items()}
     first, last = trace.first_state.total, trace.last_state.total
     share = first / (first + last) if first + last else 0.5
-    block_fwd = [e for s in f_blocks for e in s.events if isinstance(e, OpRecord) and profilable(e)]
-    boundary = 0
-    if block_fwd:
-        out = block_fwd[-1].outputs
-        boundary = sum(t.numel * itemsize(t.dtype) for t in out[:1])
     return PricedClass(
-        fwd_pre=pricer.work(f_pre),
-        fwd_block=_per_block(pricer.work(f_blocks), n),
-        fwd_post=pricer.work(f_post),
-        bwd_post=pricer.work(b_post, exclude=moved),
-        bwd_block=_per_block(bwd_block, n),
-        bwd_pre=pricer.work(b_pre, exclude=moved),
-        opt_block=_per_block(pricer.work(o_blocks), n),
-        opt_first=_scaled(opt_rest, share),
-        opt_last=_scaled(opt_rest, 1.0 - share),
+        fwd_pre=work["fwd_pre"],
+        fwd_block=_per_block(work["fwd_block"], n),
+        fwd_post=work["fwd_post"],
+        bwd_post=work["bwd_post"],
+        bwd_block=_per_block(work["bwd_block"], n),
+        bwd_pre=work["bwd_pre"],
+        opt_block=_per_block(work["opt_block"], n),
+        opt_first=_scaled(work["opt_rest"], share),
+        opt_last=_scaled(work["opt_rest"], 1.0 - share),
         block_state=trace.block_state,
         first_state=trace.first_state,
         last_state=trace.last_state,
@@ -289,6 +326,35 @@ def price_trace(trace: Trace, pricer: Pricer) -> PricedClass:
         measured_ops=pricer.measured,
         roofline_ops=pricer.roofline,
     )
+
+
+def _digest_trace(trace: Trace, pricer: Pricer) -> tuple[dict[str, Digest], int]:
+    pricer.dtensor_phases = dtensor_phases(trace.layout) if pricer.cluster.dtensor_dispatch_s else frozenset()
+    measured, roofline = pricer.measured, pricer.roofline
+    f_pre, f_blocks, f_post = _split(trace.segments, Phase.FORWARD)
+    b_post, b_blocks, b_pre = _split(trace.segments, Phase.BACKWARD)
+    o_pre, o_blocks, o_post = _split(trace.segments, Phase.OPTIMIZER)
+    # FSDP's backward all-gather of the block that runs first in backward is issued by the
+    # head: the records stay in that REST segment and are listed as the block's prefetch.
+    prefetch = [e for s in b_blocks for e in s.prefetch]
+    moved = Counter(prefetch)
+    pieces = {
+        "fwd_pre": pricer.digest(f_pre),
+        "fwd_block": pricer.digest(f_blocks),
+        "fwd_post": pricer.digest(f_post),
+        "bwd_post": pricer.digest(b_post, exclude=moved),
+        "bwd_block": pricer.digest(b_blocks, extra_gather=prefetch),
+        "bwd_pre": pricer.digest(b_pre, exclude=moved),
+        "opt_block": pricer.digest(o_blocks),
+        "opt_rest": pricer.digest([*o_pre, *o_post]),
+    }
+    pricer.measured, pricer.roofline = measured, roofline  # counted by price_trace, per pricing
+    block_fwd = [e for s in f_blocks for e in s.events if isinstance(e, OpRecord) and profilable(e)]
+    boundary = 0
+    if block_fwd:
+        out = block_fwd[-1].outputs
+        boundary = sum(t.numel * itemsize(t.dtype) for t in out[:1])
+    return pieces, boundary
 
 
 def _scaled(work: Work, k: float) -> Work:

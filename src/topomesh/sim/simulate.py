@@ -168,6 +168,10 @@ class SimMemo:
     depends only on the topology, not on the layout)."""
     links: dict = field(default_factory=dict)
     """:class:`AxisLink` per (cluster, link name, :func:`link_key`)."""
+    memory: dict = field(default_factory=dict)
+    """Memory per pipeline rank per (trace, schedule, pp, micro-batches, interleave, depth)."""
+    digests: dict = field(default_factory=dict)
+    """A trace's pieces before their collectives are priced (:func:`~topomesh.sim.price.price_trace`)."""
 
 
 def link_key(layout: Layout, axes: tuple[Axis, ...]) -> tuple[tuple[int, int], ...]:
@@ -196,7 +200,7 @@ def placed_ranks(cluster: Cluster, memo: SimMemo) -> tuple[int, ...]:
 
 
 def memo_axis_link(cluster: Cluster, layout: Layout, name: str, memo: SimMemo,
-                   placement: Placement | None = None) -> AxisLink:
+                   placement: Placement | Callable[[], Placement] | None = None) -> AxisLink:
     """The link the groups of ``name`` (a mesh axis or ``+``-joined axes, as a trace's collectives
     name them) cross under ``layout``'s topology placement; an unknown name is priced on the
     largest axis. Shared through ``memo`` by :func:`link_key` (exact)."""
@@ -207,6 +211,8 @@ def memo_axis_link(cluster: Cluster, layout: Layout, name: str, memo: SimMemo,
     if key not in memo.links:
         if placement is None:
             placement = Placement(layout=layout, ranks=placed_ranks(cluster, memo), strategy=Strategy.TOPOLOGY)
+        elif callable(placement):  # built only on a miss
+            placement = placement()
         memo.links[key] = axis_link(cluster, placement, axes)
     return memo.links[key]
 
@@ -247,8 +253,13 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     if trace is None:
         trace = trace_layout(model, layout, training, cache)
     memo = memo or SimMemo()
-    placement = Placement(layout=layout, ranks=placed_ranks(cluster, memo), strategy=Strategy.TOPOLOGY)
+    placed: list[Placement] = []  # built on the first link the memo does not hold (it takes milliseconds)
     links: dict[str, AxisLink] = {}
+
+    def placement() -> Placement:
+        if not placed:
+            placed.append(Placement(layout=layout, ranks=placed_ranks(cluster, memo), strategy=Strategy.TOPOLOGY))
+        return placed[0]
 
     def link_of(name: str) -> AxisLink:
         if name not in links:
@@ -261,7 +272,8 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     signature = (id(trace.segments), tuple(link_of(a) for a in axes[1]))
     priced = memo.priced.get(signature)
     if priced is None:
-        priced = memo.priced[signature] = price_trace(trace, Pricer(cluster, link_of, table or {}, memo.ops))
+        priced = memo.priced[signature] = price_trace(trace, Pricer(cluster, link_of, table or {}, memo.ops),
+                                                      memo.digests)
     for a in layout.mesh_axes:
         if layout.degree(a) > 1:
             link_of(a.value)
@@ -284,8 +296,19 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
         if cluster.collectives_share_compute:
             p2p_s *= cluster.core_share
-    run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=record)
-    memory = tuple(_memory(priced, plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
+    if record:  # the Python engine draws the timeline
+        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True)
+    else:
+        from topomesh.sim import kernel
+
+        run = kernel.run(plans, schedule, pp, micro, interleave, stage_rank, p2p_s)
+    memory_key = (id(trace.segments), schedule, pp, micro, interleave, model.spec.n_layers)
+    memory = memo.memory.get(memory_key)
+    if memory is None:  # bytes only: the same on every placement
+        memory = tuple(_memory(priced, plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
+        memo.memory[memory_key] = (trace.segments, memory)
+    else:
+        memory = memory[1]
     flops = memo.flops.get(id(trace.segments))
     if flops is None:
         full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace

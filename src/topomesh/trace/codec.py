@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import functools
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -133,61 +134,178 @@ def _args_to_json(value: Any) -> Any:
 
 def from_json(tp: Any, raw: Any, where: str = "$") -> Any:
     """The value of type ``tp`` that ``raw`` (parsed JSON) stands for; :class:`TraceError`
-    naming ``where`` (a JSON path) when ``raw`` is not exactly that."""
+    naming ``where`` (a JSON path) when ``raw`` is not exactly that.
+
+    Each type gets a decoder built once (:func:`_decoder`), so reading a trace does not walk
+    type hints per value; paths are kept as ``(parent, key)`` pairs and spelled out only in
+    an error."""
+    return _decoder(tp)(raw, where)
+
+
+Path = Any
+"""A JSON path: a string (the root) or ``(parent path, field name or list index)``."""
+
+
+def _where(path: Path) -> str:
+    keys = []
+    while isinstance(path, tuple):
+        path, key = path
+        keys.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return str(path) + "".join(reversed(keys))
+
+
+@functools.cache
+def _decoder(tp: Any) -> Callable[[Any, Path], Any]:
     members = _union_members(tp)
     if members is not None:
-        if raw is None and type(None) in members:
-            return None
-        classes = [m for m in members if dataclasses.is_dataclass(m)]
-        if len(classes) > 1:
-            if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
-                raise TraceError(f"{where}: expected an object with a 'type' of {[c.__name__ for c in classes]}")
-            by_name = {c.__name__: c for c in classes}
-            cls = by_name.get(raw["type"])
-            if cls is None:
-                raise TraceError(f"{where}.type: {raw['type'][:40]!r} is not one of {sorted(by_name)}")
-            return from_json(cls, {k: v for k, v in raw.items() if k != "type"}, where)
-        (inner,) = [m for m in members if m is not type(None)]
-        return from_json(inner, raw, where)
+        return _union_decoder(members)
     if dataclasses.is_dataclass(tp):
-        return _dataclass_from_json(tp, raw, where)
+        return _dataclass_decoder(tp)
     if tp is tuple:
-        return _args_from_json(raw, where, 0)
+        return lambda raw, path: _args_from_json(raw, path, 0)
     if typing.get_origin(tp) is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(raw, list) or len(raw) > MAX_ITEMS:
-            raise TraceError(f"{where}: expected a list of at most {MAX_ITEMS} items")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(from_json(args[0], v, f"{where}[{i}]") for i, v in enumerate(raw))
-        if len(raw) != len(args):
-            raise TraceError(f"{where}: expected a list of {len(args)} items, got {len(raw)}")
-        return tuple(from_json(a, v, f"{where}[{i}]") for i, (v, a) in enumerate(zip(raw, args, strict=True)))
+        return _tuple_decoder(typing.get_args(tp))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(raw)
-        except ValueError:
-            raise TraceError(f"{where}: {str(raw)[:40]!r} is not one of {[m.value for m in tp]}") from None
-    return _scalar(tp, raw, where)
-
-
-def _scalar(tp: type, raw: Any, where: str) -> Any:
-    if tp is int:
-        if type(raw) is not int or not 0 <= raw <= MAX_INT:
-            raise TraceError(f"{where}: expected an integer from 0 to 2**63-1, got {_show(raw)}")
-        return raw
-    if tp is float:
-        if type(raw) not in (int, float) or not math.isfinite(raw) or raw < 0:
-            raise TraceError(f"{where}: expected a finite non-negative number, got {_show(raw)}")
-        return float(raw)
-    if tp is bool:
-        if type(raw) is not bool:
-            raise TraceError(f"{where}: expected true or false, got {_show(raw)}")
-        return raw
-    if tp is str:
-        if type(raw) is not str or len(raw) > MAX_STR or any(ord(c) < 0x20 or ord(c) == 0x7F for c in raw):
-            raise TraceError(f"{where}: expected a string of at most {MAX_STR} printable characters, got {_show(raw)}")
-        return raw
+        return _enum_decoder(tp)
+    if tp in _SCALARS:
+        return _SCALARS[tp]
     raise TypeError(f"from_json: unsupported field type {tp!r}")
+
+
+def _union_decoder(members: tuple[Any, ...]) -> Callable[[Any, Path], Any]:
+    optional = type(None) in members
+    classes = [m for m in members if dataclasses.is_dataclass(m)]
+    if len(classes) > 1:
+        by_name = {c.__name__: _decoder(c) for c in classes}
+        names = [c.__name__ for c in classes]
+
+        def tagged(raw: Any, path: Path) -> Any:
+            if raw is None and optional:
+                return None
+            if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+                raise TraceError(f"{_where(path)}: expected an object with a 'type' of {names}")
+            dec = by_name.get(raw["type"])
+            if dec is None:
+                raise TraceError(f"{_where(path)}.type: {raw['type'][:40]!r} is not one of {sorted(by_name)}")
+            return dec({k: v for k, v in raw.items() if k != "type"}, path)
+
+        return tagged
+    (inner,) = [m for m in members if m is not type(None)]
+    dec = _decoder(inner)
+    if not optional:
+        return dec
+    return lambda raw, path: None if raw is None else dec(raw, path)
+
+
+def _dataclass_decoder(cls: type) -> Callable[[Any, Path], Any]:
+    fields = [(name, _decoder(hint), required) for name, hint, required in _hints(cls)]
+    names = frozenset(name for name, _, _ in fields)
+    check = _CHECKS.get(cls)
+
+    def decode(raw: Any, path: Path) -> Any:
+        if type(raw) is not dict:
+            raise TraceError(f"{_where(path)}: expected an object for {cls.__name__}, got {type(raw).__name__}")
+        if not names.issuperset(raw):
+            raise TraceError(f"{_where(path)}: unknown keys {sorted(set(raw) - names)[:5]} for {cls.__name__}")
+        values = {}
+        for name, dec, required in fields:
+            if name in raw:
+                values[name] = dec(raw[name], (path, name))
+            elif required:
+                raise TraceError(f"{_where(path)}: {cls.__name__} needs the key {name!r}")
+        try:
+            obj = cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{_where(path)}: not a valid {cls.__name__} ({exc})") from None
+        problem = check(obj) if check else None
+        if problem:
+            raise TraceError(f"{_where(path)}: {problem}")
+        return obj
+
+    return decode
+
+
+_INT = {int}
+
+
+def _tuple_decoder(args: tuple[Any, ...]) -> Callable[[Any, Path], Any]:
+    def listed(raw: Any, path: Path) -> None:
+        if type(raw) is not list or len(raw) > MAX_ITEMS:
+            raise TraceError(f"{_where(path)}: expected a list of at most {MAX_ITEMS} items")
+
+    if len(args) == 2 and args[1] is Ellipsis:
+        if args[0] is int:  # shapes and strides: checked in one pass
+            def ints(raw: Any, path: Path) -> tuple[int, ...]:
+                if type(raw) is list and len(raw) <= MAX_ITEMS and (
+                        not raw or (set(map(type, raw)) == _INT and min(raw) >= 0 and max(raw) <= MAX_INT)):
+                    return tuple(raw)
+                listed(raw, path)
+                for i, v in enumerate(raw):
+                    _int(v, (path, i))
+                return tuple(raw)
+
+            return ints
+        dec = _decoder(args[0])
+
+        def each(raw: Any, path: Path) -> tuple:
+            listed(raw, path)
+            return tuple([dec(v, (path, i)) for i, v in enumerate(raw)])
+
+        return each
+    decs = [_decoder(a) for a in args]
+
+    def fixed(raw: Any, path: Path) -> tuple:
+        listed(raw, path)
+        if len(raw) != len(decs):
+            raise TraceError(f"{_where(path)}: expected a list of {len(decs)} items, got {len(raw)}")
+        return tuple(d(v, (path, i)) for i, (v, d) in enumerate(zip(raw, decs, strict=True)))
+
+    return fixed
+
+
+def _enum_decoder(tp: type[enum.Enum]) -> Callable[[Any, Path], Any]:
+    members = {m.value: m for m in tp}
+
+    def decode(raw: Any, path: Path) -> Any:
+        m = members.get(raw) if type(raw) is str else None
+        if m is None:
+            try:
+                return tp(raw)
+            except (ValueError, TypeError):
+                raise TraceError(f"{_where(path)}: {str(raw)[:40]!r} is not one of {list(members)}") from None
+        return m
+
+    return decode
+
+
+def _int(raw: Any, path: Path) -> int:
+    if type(raw) is not int or not 0 <= raw <= MAX_INT:
+        raise TraceError(f"{_where(path)}: expected an integer from 0 to 2**63-1, got {_show(raw)}")
+    return raw
+
+
+def _float(raw: Any, path: Path) -> float:
+    if type(raw) not in (int, float) or not math.isfinite(raw) or raw < 0:
+        raise TraceError(f"{_where(path)}: expected a finite non-negative number, got {_show(raw)}")
+    return float(raw)
+
+
+def _bool(raw: Any, path: Path) -> bool:
+    if type(raw) is not bool:
+        raise TraceError(f"{_where(path)}: expected true or false, got {_show(raw)}")
+    return raw
+
+
+_PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]*")
+
+
+def _str(raw: Any, path: Path) -> str:
+    if type(raw) is not str or len(raw) > MAX_STR or not _PRINTABLE.fullmatch(raw):
+        raise TraceError(f"{_where(path)}: expected a string of at most {MAX_STR} printable characters, got {_show(raw)}")
+    return raw
+
+
+_SCALARS: Mapping[type, Callable[[Any, Path], Any]] = MappingProxyType({int: _int, float: _float, bool: _bool, str: _str})
 
 
 def _show(raw: Any) -> str:
@@ -197,45 +315,21 @@ def _show(raw: Any) -> str:
     return ascii(raw)[:40]
 
 
-def _dataclass_from_json(cls: type, raw: Any, where: str) -> Any:
-    if not isinstance(raw, dict):
-        raise TraceError(f"{where}: expected an object for {cls.__name__}, got {type(raw).__name__}")
-    hints = _hints(cls)
-    unknown = set(raw) - {name for name, _, _ in hints}
-    if unknown:
-        raise TraceError(f"{where}: unknown keys {sorted(unknown)[:5]} for {cls.__name__}")
-    values = {}
-    for name, hint, required in hints:
-        if name in raw:
-            values[name] = from_json(hint, raw[name], f"{where}.{name}")
-        elif required:
-            raise TraceError(f"{where}: {cls.__name__} needs the key {name!r}")
-    try:
-        obj = cls(**values)
-    except (TypeError, ValueError) as exc:
-        raise TraceError(f"{where}: not a valid {cls.__name__} ({exc})") from None
-    check = _CHECKS.get(cls)
-    problem = check(obj) if check else None
-    if problem:
-        raise TraceError(f"{where}: {problem}")
-    return obj
-
-
-def _args_from_json(raw: Any, where: str, depth: int) -> Any:
+def _args_from_json(raw: Any, path: Path, depth: int) -> Any:
     if isinstance(raw, list):
         if depth >= MAX_ARGS_DEPTH or len(raw) > 4096:
-            raise TraceError(f"{where}: op arguments nested deeper than {MAX_ARGS_DEPTH} or longer than 4096")
-        return tuple(_args_from_json(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(raw))
+            raise TraceError(f"{_where(path)}: op arguments nested deeper than {MAX_ARGS_DEPTH} or longer than 4096")
+        return tuple(_args_from_json(v, (path, i), depth + 1) for i, v in enumerate(raw))
     if isinstance(raw, dict):
         if set(raw) == {"float"} and raw["float"] in _NONFINITE:
             return _NONFINITE[raw["float"]]
-        raise TraceError(f"{where}: an op argument object must be {{'float': 'inf' | '-inf' | 'nan'}}")
+        raise TraceError(f"{_where(path)}: an op argument object must be {{'float': 'inf' | '-inf' | 'nan'}}")
     if type(raw) is int and abs(raw) > MAX_INT + 1:
-        raise TraceError(f"{where}: integer argument {_show(raw)} is outside int64")
+        raise TraceError(f"{_where(path)}: integer argument {_show(raw)} is outside int64")
     if type(raw) is float and not math.isfinite(raw):
-        raise TraceError(f"{where}: non-finite argument must be written as {{'float': ...}}")
+        raise TraceError(f"{_where(path)}: non-finite argument must be written as {{'float': ...}}")
     if type(raw) is str:
-        return _scalar(str, raw, where)
+        return _str(raw, path)
     if raw is None or type(raw) in (int, float, bool):
         return raw
-    raise TraceError(f"{where}: unsupported op argument {_show(raw)}")
+    raise TraceError(f"{_where(path)}: unsupported op argument {_show(raw)}")

@@ -1,0 +1,96 @@
+"""The compiled engine (sim/kernel.py) against hand-worked pipelines and the Python engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from topomesh.sim import kernel
+from topomesh.sim.engine import Piece, StagePlan, simulate_pipeline
+from topomesh.sim.price import Comm, Stream, Work
+from topomesh.sim.schedules import Schedule, action_order, rank_stages, stage_count
+
+
+def piece(work: Work, count: int = 1) -> Piece:
+    return Piece(work=work, count=count, label="p")
+
+
+def owners(schedule: Schedule, pp: int, interleave: int) -> list[int]:
+    n = stage_count(schedule, pp, interleave) if pp > 1 else 1
+    out = [0] * n
+    for r in range(pp):
+        for s in rank_stages(schedule, pp, interleave, r) if pp > 1 else [0]:
+            out[s] = r
+    return out
+
+
+def test_one_f_one_b_takes_m_plus_p_minus_one_rounds():
+    # F = 1 s, B = 2 s, no communication: (m + p - 1)(F + B) = 11 × 3 = 33 s, bubble 3/11 of it
+    plan = StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=2.0)),),
+                     backward_input=(), backward_weight=(), optimizer=())
+    run = kernel.run([plan] * 4, Schedule.ONE_F_ONE_B, 4, 8, 1, [0, 1, 2, 3], 0.0)
+    assert run.step_time_s == pytest.approx(33.0)
+    assert run.ranks[run.critical_rank].bubble_s == pytest.approx(9.0)
+    assert [st.compute_s for st in run.ranks] == pytest.approx([24.0] * 4)
+
+
+def test_gpipe_with_sends_and_an_optimizer():
+    # 3 stages, 4 micro-batches, F = B = 1 s, 0.5 s sends: 2·4 + 2·2·1.5 = 14 s, then 0.25 s optimizer
+    plan = StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=1.0)),),
+                     backward_input=(), backward_weight=(), optimizer=(piece(Work(compute_s=0.25)),))
+    run = kernel.run([plan] * 3, Schedule.GPIPE, 3, 4, 1, [0, 1, 2], 0.5)
+    assert run.step_time_s == pytest.approx(14.25)
+    assert run.ranks[-1].p2p_s == pytest.approx(0.5)
+    assert run.ranks[0].optimizer_s == pytest.approx(0.25)
+
+
+def test_repeated_blocks_with_a_slow_gather_fast_forward_to_the_hand_value():
+    # one rank, 40 blocks of 1 s compute whose all-gather takes 1.5 s: the gathers run back to
+    # back (40 × 1.5 = 60 s) and the last block computes after the last gather: 61 s
+    blk = Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, 1.5),))
+    plan = StagePlan(forward=(piece(blk, 40),), backward=(), backward_input=(), backward_weight=(), optimizer=())
+    run = kernel.run([plan], Schedule.ONE_F_ONE_B, 1, 1, 1, [0], 0.0)
+    assert run.step_time_s == pytest.approx(61.0)
+    assert run.ranks[0].exposed == pytest.approx({"dp_shard": 21.0})
+
+
+@pytest.mark.parametrize(("schedule", "pp", "interleave"), [
+    (Schedule.ONE_F_ONE_B, 4, 1), (Schedule.GPIPE, 3, 1), (Schedule.INTERLEAVED_1F1B, 4, 2),
+    (Schedule.ZBV, 4, 2), (Schedule.ONE_F_ONE_B, 1, 1)])
+def test_equals_the_python_engine(schedule: Schedule, pp: int, interleave: int):
+    blk = Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, 0.7),),
+               blocking=(Comm("tp", Stream.INTRA, 0.2), Comm("cp", Stream.NET, 0.05)),
+               reduce=(Comm("dp_shard", Stream.NET, 0.9), Comm("dp_replicate", Stream.NET, 0.3)), weight_grad_s=0.4)
+    plan = StagePlan(forward=(piece(Work(compute_s=0.3)), piece(blk, 5)),
+                     backward=(piece(dataclasses.replace(blk, compute_s=2.0), 5), piece(Work(compute_s=0.2))),
+                     backward_input=(piece(dataclasses.replace(blk, compute_s=1.6, reduce=()), 5),),
+                     backward_weight=(piece(Work(compute_s=0.4, reduce=blk.reduce), 5),),
+                     optimizer=(piece(Work(compute_s=0.5, blocking=(Comm("dp_shard", Stream.NET, 0.1),))),),
+                     forward_later=(piece(dataclasses.replace(blk, gather=()), 5),),
+                     backward_early=(piece(dataclasses.replace(blk, compute_s=2.0, reduce=()), 5),))
+    m = 8
+    stage_rank = owners(schedule, pp, interleave)
+    plans = [plan] * len(stage_rank)
+    want = simulate_pipeline(plans, action_order(schedule, pp=pp, microbatches=m, interleave=interleave),
+                             stage_rank, 0.3)
+    got = kernel.run(plans, schedule, pp, m, interleave, stage_rank, 0.3)
+    assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
+    assert got.critical_rank == want.critical_rank
+    for a, b in zip(got.ranks, want.ranks, strict=True):
+        assert (a.compute_free, a.compute_s, a.bubble_s, a.p2p_s, a.optimizer_s, a.reduce_end) == pytest.approx(
+            (b.compute_free, b.compute_s, b.bubble_s, b.p2p_s, b.optimizer_s, b.reduce_end), rel=1e-9)
+        assert a.exposed == pytest.approx(b.exposed, rel=1e-9)
+        assert a.reduce_axis == b.reduce_axis
+
+
+def test_the_last_repeated_block_prefetches_the_next_pieces_gather():
+    # 10 blocks (1 s compute, 0.5 s gather) then a head whose 3 s gather is issued when the last
+    # block starts (9.5 s): it ends at 12.5 s, the head computes 1 s: 13.5 s, 2 s of it exposed
+    blk = Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, 0.5),))
+    head = Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, 3.0),))
+    plan = StagePlan(forward=(piece(blk, 10), piece(head)), backward=(), backward_input=(), backward_weight=(),
+                     optimizer=())
+    run = kernel.run([plan], Schedule.ONE_F_ONE_B, 1, 1, 1, [0], 0.0)
+    assert run.step_time_s == pytest.approx(13.5)
+    assert run.ranks[0].exposed == pytest.approx({"dp_shard": 0.5 + 2.0})
