@@ -92,6 +92,7 @@ def test_fsdp_gathers_hide_behind_compute_when_compute_is_longer():
     assert exposed < 0.2 * r.breakdown.compute_s
     # of all the FSDP traffic (gathers and reduce-scatters, priced on their link) at most
     # half is exposed; were the gathers blocking, all of it would be
+    sim.simulate(Layout(dp_shard=8), Training(global_batch=64, micro_batch=8), record=True)  # prices the plans
     (priced,) = sim._memo.priced.values()
     assert priced.fwd_block.gather and not priced.fwd_block.blocking
 
@@ -121,7 +122,7 @@ def test_pipeline_stages_hold_their_share_of_layers(wide16):
     assert r.breakdown.bubble_s > 0 and r.layout["schedule"] == "1f1b"
     # a stage sends its block output: micro-batch 1 × (1024 / tp 4, sequence parallel) × 2048 × 2 B
     alone = Simulator(model=wide16.model, cluster=wide16.cluster, cache=wide16.cache)  # the trace is cached
-    alone.simulate(Layout(pp=4, tp=4), Training(global_batch=8))
+    alone.simulate(Layout(pp=4, tp=4), Training(global_batch=8), record=True)  # record: plans priced on the links
     (priced,) = alone._memo.priced.values()
     assert priced.boundary_bytes == 1 * 1024 // 4 * 2048 * 2
     assert split_layers(4, 4) == [1, 1, 1, 1]

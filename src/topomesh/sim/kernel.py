@@ -159,6 +159,46 @@ def _run_pieces(st, ex, ra, r, lo, hi, p_work, p_count, w_compute, w_comm, c_str
 
 
 @numba.njit(cache=True)
+def _run_action(st, ex, ra, r, lst, memo_ok, memo_rel, memo_d, memo_ex, memo_axis, list_off, p_work, p_count,
+                w_compute, w_comm, c_stream, c_sec, c_axis):  # noqa: ANN001, ANN202
+    """:func:`_run_pieces` of piece list ``lst``, replayed when the list last ran from the same
+    state relative to the compute clock (the Python engine's ``run_action`` memo, one entry per list)."""
+    t = st[r, _CF]
+    rel0 = max(st[r, _SF0], t) - t
+    rel1 = max(st[r, _SF1], t) - t
+    rel2 = max(st[r, _RE], t) - t
+    if memo_ok[lst] and memo_rel[lst, 0] == rel0 and memo_rel[lst, 1] == rel1 and memo_rel[lst, 2] == rel2:
+        st[r, _CF] = t + memo_d[lst, 0]
+        st[r, _SF0] = t + memo_d[lst, 1]
+        st[r, _SF1] = t + memo_d[lst, 2]
+        if memo_axis[lst] >= 0:
+            st[r, _RE] = t + memo_d[lst, 3]
+            ra[r] = memo_axis[lst]
+        st[r, _CS] += memo_d[lst, 4]
+        for a in range(ex.shape[1]):
+            ex[r, a] += memo_ex[lst, a]
+        return
+    compute = st[r, _CS]
+    exposed = ex[r].copy()
+    reduce_end = st[r, _RE]
+    _run_pieces(st, ex, ra, r, list_off[lst], list_off[lst + 1], p_work, p_count, w_compute, w_comm, c_stream,
+                c_sec, c_axis)
+    cf = st[r, _CF]
+    memo_d[lst, 0] = cf - t
+    memo_d[lst, 1] = max(st[r, _SF0], cf) - t
+    memo_d[lst, 2] = max(st[r, _SF1], cf) - t
+    memo_d[lst, 3] = max(st[r, _RE], cf) - t
+    memo_axis[lst] = ra[r] if st[r, _RE] > reduce_end else -1
+    memo_d[lst, 4] = st[r, _CS] - compute
+    for a in range(ex.shape[1]):
+        memo_ex[lst, a] = ex[r, a] - exposed[a]
+    memo_rel[lst, 0] = rel0
+    memo_rel[lst, 1] = rel1
+    memo_rel[lst, 2] = rel2
+    memo_ok[lst] = True
+
+
+@numba.njit(cache=True)
 def _simulate(n_ranks, n_axes, p2p_s, act_off, act_stage, act_variant, act_dep, act_cross, act_slot, n_slots,
               plan_lists, list_off, stage_rank, p_work, p_count, w_compute, w_comm, c_stream, c_sec, c_axis):  # noqa: ANN001, ANN202
     st = np.zeros((n_ranks, _COLUMNS))
@@ -168,6 +208,12 @@ def _simulate(n_ranks, n_axes, p2p_s, act_off, act_stage, act_variant, act_dep, 
     is_done = np.zeros(n_slots, dtype=np.bool_)
     idx = act_off[:-1].copy()
     remaining = act_off[-1]
+    n_lists = list_off.shape[0] - 1
+    memo_ok = np.zeros(n_lists, dtype=np.bool_)
+    memo_rel = np.zeros((n_lists, 3))
+    memo_d = np.zeros((n_lists, 5))
+    memo_ex = np.zeros((n_lists, n_axes))
+    memo_axis = np.zeros(n_lists, dtype=np.int64)
     while remaining > 0:
         progress = False
         for r in range(n_ranks):
@@ -187,9 +233,9 @@ def _simulate(n_ranks, n_axes, p2p_s, act_off, act_stage, act_variant, act_dep, 
                         st[r, _BS] += wait - part
                         ready = arrive
                 st[r, _CF] = ready
-                lst = plan_lists[act_stage[a], act_variant[a]]
-                _run_pieces(st, ex, ra, r, list_off[lst], list_off[lst + 1], p_work, p_count, w_compute, w_comm,
-                            c_stream, c_sec, c_axis)
+                _run_action(st, ex, ra, r, plan_lists[act_stage[a], act_variant[a]], memo_ok, memo_rel, memo_d,
+                            memo_ex, memo_axis, list_off, p_work, p_count, w_compute, w_comm, c_stream, c_sec,
+                            c_axis)
                 done_t[act_slot[a]] = st[r, _CF]
                 is_done[act_slot[a]] = True
                 idx[r] += 1
@@ -333,18 +379,67 @@ def encode_actions(schedule: Schedule, pp: int, microbatches: int, interleave: i
     return out
 
 
+class Template:
+    """Stage plans encoded once per (trace, stage split) with their collectives as slots.
+
+    Built from plans priced by :class:`~topomesh.sim.price.SymbolicPricer`, whose comms name
+    a record of the trace (``"#i"``) and take 1 s: a comm's seconds in the plans are then the
+    factor the record's price is scaled by (1, or a stage's share of the optimizer outside
+    the blocks), so the plans of any placement are ``price[record] × factor`` without pricing
+    or encoding the plans again (:func:`run_template`)."""
+
+    __slots__ = ("axes", "c_axis", "c_factor", "c_rec", "enc", "extra", "records")
+
+
+def template(plans: Sequence[StagePlan], records: Sequence[object], extra: object = None) -> Template:
+    """The template of symbolically priced ``plans``; ``records[i]`` is the record ``"#i"``
+    names; ``extra`` is kept with it (the symbolic priced class, for bytes)."""
+    enc = encode_plans(plans)
+    c_rec = np.array([int(enc.axes[a][1:]) for a in enc.c_axis.tolist()], dtype=np.int64)
+    names = ["", *dict.fromkeys(getattr(r, "mesh_axis", None) or "?" for r in records)]
+    index = {n: i for i, n in enumerate(names)}
+    rec_axis = np.array([index[getattr(r, "mesh_axis", None) or "?"] for r in records] or [0], dtype=np.int64)
+    tpl = Template()
+    tpl.enc, tpl.records, tpl.extra = enc, tuple(records), extra
+    tpl.axes = tuple(names)
+    tpl.c_rec = c_rec
+    tpl.c_factor = enc.c_sec.copy()
+    tpl.c_axis = rec_axis[c_rec] if len(c_rec) else c_rec
+    return tpl
+
+
+def run_template(tpl: Template, rec_seconds: np.ndarray, rec_stream: np.ndarray, schedule: Schedule, pp: int,
+                 microbatches: int, interleave: int, stage_rank: Sequence[int], p2p_s: float) -> EngineResult:
+    """:func:`run` of the template's plans with record ``i`` priced ``rec_seconds[i]`` on stream
+    ``rec_stream[i]`` (0 intra, 1 net)."""
+    enc = tpl.enc
+    c_sec = rec_seconds[tpl.c_rec] * tpl.c_factor if len(tpl.c_rec) else tpl.c_factor
+    c_stream = rec_stream[tpl.c_rec] if len(tpl.c_rec) else enc.c_stream
+    return _run_encoded(enc.plan_lists, enc.list_off, enc.p_work, enc.p_count, enc.w_compute, enc.w_comm, c_stream,
+                        c_sec, tpl.c_axis, tpl.axes, schedule, pp, microbatches, interleave, stage_rank, p2p_s)
+
+
 def run(plans: Sequence[StagePlan], schedule: Schedule, pp: int, microbatches: int, interleave: int,
         stage_rank: Sequence[int], p2p_s: float) -> EngineResult:
     """What :func:`topomesh.sim.engine.simulate_pipeline` returns for the actions of
     ``action_order(schedule, pp=pp, microbatches=microbatches, interleave=interleave)``
     (without spans), compiled."""
     enc = encode_plans(plans)
+    return _run_encoded(enc.plan_lists, enc.list_off, enc.p_work, enc.p_count, enc.w_compute, enc.w_comm,
+                        enc.c_stream, enc.c_sec, enc.c_axis, enc.axes, schedule, pp, microbatches, interleave,
+                        stage_rank, p2p_s)
+
+
+def _run_encoded(plan_lists: np.ndarray, list_off: np.ndarray, p_work: np.ndarray, p_count: np.ndarray,
+                 w_compute: np.ndarray, w_comm: np.ndarray, c_stream: np.ndarray, c_sec: np.ndarray,
+                 c_axis: np.ndarray, axes: tuple[str, ...], schedule: Schedule, pp: int, microbatches: int,
+                 interleave: int, stage_rank: Sequence[int], p2p_s: float) -> EngineResult:
     off, stage, variant, dep, cross, done, n_slots = encode_actions(schedule, pp, microbatches, interleave)
     n_ranks = len(off) - 1
     ranks = np.asarray(stage_rank, dtype=np.int64)
-    st, ex, ra, ok = _simulate(n_ranks, len(enc.axes), float(p2p_s), off, stage, variant, dep, cross, done,
-                               int(n_slots[0]), enc.plan_lists, enc.list_off, ranks, enc.p_work, enc.p_count,
-                               enc.w_compute, enc.w_comm, enc.c_stream, enc.c_sec, enc.c_axis)
+    st, ex, ra, ok = _simulate(n_ranks, len(axes), float(p2p_s), off, stage, variant, dep, cross, done,
+                               int(n_slots[0]), plan_lists, list_off, ranks, p_work, p_count, w_compute, w_comm,
+                               c_stream, c_sec, c_axis)
     if not ok:
         raise LayoutError("pipeline schedule deadlocks; this is a bug in the schedule.")
     states = []
@@ -352,9 +447,9 @@ def run(plans: Sequence[StagePlan], schedule: Schedule, pp: int, microbatches: i
         row = st[r].tolist()
         states.append(RankState(
             compute_free=row[_CF], stream_free={Stream.INTRA: row[_SF0], Stream.NET: row[_SF1]},
-            reduce_end=row[_RE], reduce_axis=enc.axes[int(ra[r])], compute_s=row[_CS], optimizer_s=row[_OS],
+            reduce_end=row[_RE], reduce_axis=axes[int(ra[r])], compute_s=row[_CS], optimizer_s=row[_OS],
             bubble_s=row[_BS], p2p_s=row[_PS],
-            exposed={enc.axes[a]: v for a, v in enumerate(ex[r].tolist()) if v > 0}))
+            exposed={axes[a]: v for a, v in enumerate(ex[r].tolist()) if v > 0}))
     end = [s.compute_free for s in states]
     crit = max(range(len(states)), key=end.__getitem__)
     return EngineResult(step_time_s=end[crit], critical_rank=crit, ranks=tuple(states))

@@ -217,6 +217,23 @@ class Pricer:
                     peak_output_bytes=d.peak_output_bytes, gather_bytes=d.gather_bytes, reduce_bytes=d.reduce_bytes)
 
 
+class SymbolicPricer(Pricer):
+    """Prices ops as :class:`Pricer` does and every collective as 1 s named after its record
+    (``"#i"``, ``records[i]``): plans priced so are templates (:class:`topomesh.sim.kernel.Template`)."""
+
+    def __init__(self, cluster: Cluster, table: Mapping, op_cache: dict | None = None) -> None:
+        super().__init__(cluster, lambda name: None, table, op_cache)  # type: ignore[arg-type, return-value]
+        self.index: dict[CollectiveRecord, int] = {}
+
+    @property
+    def records(self) -> list[CollectiveRecord]:
+        return list(self.index)
+
+    def comm(self, rec: CollectiveRecord) -> Comm:
+        i = self.index.setdefault(rec, len(self.index))
+        return Comm(axis=f"#{i}", stream=Stream.INTRA, seconds=1.0)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Digest:
     """A piece before its collectives are priced (:meth:`Pricer.digest`)."""

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from topomesh.cost.cluster import AxisLink, Cluster, axis_link
@@ -25,7 +26,15 @@ from topomesh.errors import LayoutError
 from topomesh.layout.dims import Axis, Layout
 from topomesh.layout.place import Placement, Strategy, locality_order
 from topomesh.sim.engine import EngineResult, Piece, StagePlan, simulate_pipeline
-from topomesh.sim.price import PricedClass, Pricer, Work, collective_axes, price_trace
+from topomesh.sim.price import (
+    PricedClass,
+    Pricer,
+    Stream,
+    SymbolicPricer,
+    Work,
+    collective_axes,
+    price_trace,
+)
 from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
 from topomesh.sim.schedules import Action, Kind, Schedule, action_order, rank_stages, stage_count
 from topomesh.sim.timeline import chrome_trace
@@ -171,6 +180,10 @@ class SimMemo:
     memory: dict = field(default_factory=dict)
     """Memory per pipeline rank per (trace, schedule, pp, micro-batches, interleave, depth)."""
     digests: dict = field(default_factory=dict)
+    templates: dict = field(default_factory=dict)
+    """Encoded stage plans per (trace, layers per stage, pipelined) (:func:`topomesh.sim.kernel.template`)."""
+    comms: dict = field(default_factory=dict)
+    """A collective record's price per (record, link)."""
     """A trace's pieces before their collectives are priced (:func:`~topomesh.sim.price.price_trace`)."""
 
 
@@ -269,11 +282,6 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     axes = memo.axes.get(id(trace.segments))
     if axes is None:
         axes = memo.axes[id(trace.segments)] = (trace.segments, collective_axes(trace))
-    signature = (id(trace.segments), tuple(link_of(a) for a in axes[1]))
-    priced = memo.priced.get(signature)
-    if priced is None:
-        priced = memo.priced[signature] = price_trace(trace, Pricer(cluster, link_of, table or {}, memo.ops),
-                                                      memo.digests)
     for a in layout.mesh_axes:
         if layout.degree(a) > 1:
             link_of(a.value)
@@ -281,31 +289,58 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     interleave = training.interleave if schedule.multi_stage else 1
     stages = stage_count(schedule, pp, interleave) if pp > 1 else 1
     layers = split_layers(model.spec.n_layers, stages)
-    plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
     actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
     stage_rank = [0] * stages
     for r in range(pp):
         for s in (rank_stages(schedule, pp, interleave, r) if pp > 1 else [0]):
             stage_rank[s] = r
+    # the plans of this trace and stage split, with their collectives as slots (link-free)
+    tpl_key = (id(trace.segments), tuple(layers), pp > 1)
+    hit = memo.templates.get(tpl_key)
+    if hit is None:
+        from topomesh.sim import kernel
+
+        sym = SymbolicPricer(cluster, table or {}, memo.ops)
+        sym_priced = price_trace(trace, sym, memo.digests)
+        sym_plans = [_stage_plan(sym_priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
+        hit = memo.templates[tpl_key] = (trace.segments, kernel.template(sym_plans, sym.records, (sym_priced, sym_plans)))
+    tpl = hit[1]
+    sym_priced, sym_plans = tpl.extra
     p2p_s = 0.0
     if pp > 1:
-        rec = CollectiveRecord(kind=CollectiveKind.SEND_RECV, bytes=priced.boundary_bytes, group_size=2,
+        rec = CollectiveRecord(kind=CollectiveKind.SEND_RECV, bytes=sym_priced.boundary_bytes, group_size=2,
                                mesh_axis=Axis.PP.value)
         from topomesh.cost.cluster import group_collective_time_s
 
         p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
         if cluster.collectives_share_compute:
             p2p_s *= cluster.core_share
-    if record:  # the Python engine draws the timeline
+    if record:  # the Python engine draws the timeline, on plans priced on this layout's links
+        signature = (id(trace.segments), tuple(link_of(a) for a in axes[1]))
+        priced = memo.priced.get(signature)
+        if priced is None:
+            priced = memo.priced[signature] = price_trace(trace, Pricer(cluster, link_of, table or {}, memo.ops),
+                                                          memo.digests)
+        plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
         run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True)
     else:
         from topomesh.sim import kernel
 
-        run = kernel.run(plans, schedule, pp, micro, interleave, stage_rank, p2p_s)
+        pricer = Pricer(cluster, link_of, table or {}, memo.ops)
+        secs, streams = [], []
+        for r in tpl.records:
+            key = (r, link_of(r.mesh_axis or ""))
+            c = memo.comms.get(key)
+            if c is None:
+                c = memo.comms[key] = pricer.comm(r)
+            secs.append(c.seconds)
+            streams.append(0 if c.stream is Stream.INTRA else 1)
+        run = kernel.run_template(tpl, np.array(secs, dtype=np.float64), np.array(streams, dtype=np.int64),
+                                  schedule, pp, micro, interleave, stage_rank, p2p_s)
     memory_key = (id(trace.segments), schedule, pp, micro, interleave, model.spec.n_layers)
     memory = memo.memory.get(memory_key)
     if memory is None:  # bytes only: the same on every placement
-        memory = tuple(_memory(priced, plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
+        memory = tuple(_memory(sym_priced, sym_plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
         memo.memory[memory_key] = (trace.segments, memory)
     else:
         memory = memory[1]
@@ -313,7 +348,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     if flops is None:
         full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
         flops = memo.flops[id(trace.segments)] = (trace.segments, full.summary().flops_by_phase)
-    return _result(model, cluster, layout, training, flops[1], priced, run, memory, micro, links, schedule,
+    return _result(model, cluster, layout, training, flops[1], sym_priced, run, memory, micro, links, schedule,
                    interleave)
 
 
