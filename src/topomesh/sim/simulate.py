@@ -15,6 +15,7 @@ under the placement, run the pipeline schedule, and account memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -198,7 +199,8 @@ def link_key(layout: Layout, axes: tuple[Axis, ...]) -> tuple[tuple[int, int], .
     ((4, 4),)
     """
     out, stride = [], 1
-    for a, size in zip(layout.order, layout.sizes, strict=True):
+    for a in layout.order:
+        size = getattr(layout, a.value)
         if a in axes:
             out.append((stride, size))
         stride *= size
@@ -217,17 +219,27 @@ def memo_axis_link(cluster: Cluster, layout: Layout, name: str, memo: SimMemo,
     """The link the groups of ``name`` (a mesh axis or ``+``-joined axes, as a trace's collectives
     name them) cross under ``layout``'s topology placement; an unknown name is priced on the
     largest axis. Shared through ``memo`` by :func:`link_key` (exact)."""
-    axes = [a for a in name.split("+") if a]
-    if not axes or any(a not in Axis.__members__.values() for a in axes):
-        axes = [max(layout.mesh_axes, key=layout.degree).value]  # unknown group: the largest axis
-    key = (id(cluster), "+".join(axes), link_key(layout, tuple(Axis(a) for a in axes)))
+    axes = _name_axes(name)
+    if axes is None:
+        axes = (max(layout.mesh_axes, key=layout.degree),)  # unknown group: the largest axis
+    key = (id(cluster), "+".join(a.value for a in axes), link_key(layout, axes))
     if key not in memo.links:
         if placement is None:
             placement = Placement(layout=layout, ranks=placed_ranks(cluster, memo), strategy=Strategy.TOPOLOGY)
         elif callable(placement):  # built only on a miss
             placement = placement()
-        memo.links[key] = axis_link(cluster, placement, axes)
+        memo.links[key] = axis_link(cluster, placement, [a.value for a in axes])
     return memo.links[key]
+
+
+@functools.lru_cache(maxsize=256)
+def _name_axes(name: str) -> tuple[Axis, ...] | None:
+    """The axes of a collective's ``+``-joined axis name; None when it names none or an unknown one."""
+    parts = [a for a in name.split("+") if a]
+    known = {a.value: a for a in Axis}
+    if not parts or any(a not in known for a in parts):
+        return None
+    return tuple(known[a] for a in parts)
 
 
 def mixed_precision(layout: Layout, training: Training) -> bool:
