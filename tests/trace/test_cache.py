@@ -293,3 +293,23 @@ def test_regroup_refuses_collectives_whose_bytes_scale_with_the_group(tiny_trace
     ok = regroup(dataclasses.replace(trace, segments=(Segment(part=seg.part, phase=seg.phase, events=(reduce,)),)),
                  {"dp_replicate": 4})
     assert ok is not None and ok.segments[0].events[0].group_size == 4 and ok.layout == (("dp_replicate", 4),)
+
+
+@pytest.mark.parametrize("layout", [{"cp": 8}, {"cp": 8, "dp_shard": 2}, {"cp": 16, "tp": 2}])
+def test_a_long_ring_is_composed_from_rings_of_three_and_four_rounds_exactly(layout: dict, counted: list[dict]) -> None:
+    """cp above 4: ring attention is traced for 3 and 4 rounds and the middle round repeated;
+    per segment the records (as a multiset), the kept activations and the largest tensor equal a
+    trace of the whole ring."""
+    from topomesh.trace.tracer import trace_step
+
+    spec, par = transformer_spec(get_preset("tiny-llama")), make_parallelize()
+    composed = TraceCache().get(spec, par, layout)
+    assert sorted(c["ring_rounds"] for c in counted) == [3, 4]
+    real = trace_step(spec, par, dict(layout_class(layout)), n_layers=1).compose(spec.n_layers)
+    assert composed.layout == real.layout and len(composed.segments) == len(real.segments)
+    for a, b in zip(composed.segments, real.segments, strict=True):
+        assert Counter(a.events) == Counter(b.events) and Counter(a.prefetch) == Counter(b.prefetch)
+        assert (a.saved_bytes, a.peak_output_bytes) == (b.saved_bytes, b.peak_output_bytes)
+    assert composed.summary() == real.summary()
+    sends = [e for e in composed.events() if getattr(e, "mesh_axis", None) == "cp"]
+    assert sends and {e.group_size for e in sends} == {layout["cp"]}

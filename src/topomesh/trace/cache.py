@@ -32,6 +32,7 @@ import math
 import os
 import stat
 import zlib
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,53 @@ class _NotShared(Exception):
     pass
 
 
+RING_ROUNDS = 4
+"""Classes with ``cp`` above this are traced with rings of ``RING_ROUNDS - 1`` and
+``RING_ROUNDS`` rounds and composed (:func:`compose_rounds`)."""
+
+
+def compose_rounds(short: Trace, long: Trace, cp: int) -> Trace | None:
+    """The trace of a full ring of ``cp`` rounds from traces whose ring attention ran
+    ``RING_ROUNDS - 1`` (``short``) and ``RING_ROUNDS`` (``long``) rounds; ``None`` unless
+    ``long`` is ``short`` plus records, segment by segment.
+
+    Why it is exact (see :func:`topomesh.trace.tracer.limited_ring`): both traces run the real
+    mesh, group sizes and shapes; the ring's middle rounds are identical on the traced rank, so
+    what ``long`` adds to ``short`` is one middle round (its ops, its send, the activations it
+    keeps), and the full ring is ``long`` plus ``cp - RING_ROUNDS`` more of it. The pricing
+    reads a segment's records as a multiset (compute sums, a piece's collectives queue on their
+    streams), so the copies are appended to the segment. Anything else that differs (parameter
+    state, segment structure, the largest tensor) refuses the composition. A test compares a
+    composed trace with one of the whole ring, record by record.
+    """
+    if (len(short.segments) != len(long.segments) or short.block_state != long.block_state
+            or short.first_state != long.first_state or short.last_state != long.last_state):
+        return None
+    extra = cp - RING_ROUNDS
+    segments = []
+    for a, b in zip(short.segments, long.segments, strict=True):
+        if (a.part, a.phase, a.layer) != (b.part, b.phase, b.layer) or a.peak_output_bytes != b.peak_output_bytes:
+            return None
+        rounds = []
+        for x, y in ((a.events, b.events), (a.prefetch, b.prefetch)):
+            more = Counter(y)
+            more.subtract(Counter(x))
+            if any(n < 0 for n in more.values()):
+                return None
+            added = []
+            for e in y:  # the added records in the long trace's order
+                if more[e] > 0:
+                    added.append(e)
+                    more[e] -= 1
+            rounds.append(tuple(added))
+        if b.saved_bytes < a.saved_bytes:
+            return None
+        segments.append(dataclasses.replace(
+            b, events=b.events + rounds[0] * extra, prefetch=b.prefetch + rounds[1] * extra,
+            saved_bytes=b.saved_bytes + (b.saved_bytes - a.saved_bytes) * extra))
+    return dataclasses.replace(long, segments=tuple(segments), trace_s=short.trace_s + long.trace_s)
+
+
 def callable_key(fn: Callable | None) -> str:
     """A stable name for a parallelize function: qualified name plus bound arguments.
 
@@ -194,6 +242,7 @@ class TraceCache:
         batch_size: int,
         dtype: torch.dtype,
         optimizer: OptimizerFactory | None,
+        ring_rounds: int | None = None,
     ) -> str:
         parts = (
             spec.key,
@@ -204,6 +253,7 @@ class TraceCache:
             callable_key(optimizer),
             torch.__version__,
             f"format{TRACE_FORMAT}",
+            *((f"ring{ring_rounds}",) if ring_rounds else ()),
         )
         return "|".join(parts)
 
@@ -230,18 +280,32 @@ class TraceCache:
                     return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
                 hit = self._regrouped[memo_key] = (base.segments, regrouped)
             return hit[1].compose(spec.n_layers) if spec.n_layers > hit[1].traced_layers else hit[1]
+        cp = wanted.get(Axis.CP.value, 1)
+        if cp > RING_ROUNDS:
+            parts = [self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer, ring_rounds=n)
+                     for n in (RING_ROUNDS - 1, RING_ROUNDS)]
+            memo_key = (id(parts[0].segments), id(parts[1].segments), cp)
+            hit = self._regrouped.get(memo_key)
+            if hit is None:
+                composed = compose_rounds(parts[0], parts[1], cp)
+                if composed is None:  # not a pure repetition: trace the whole ring
+                    return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
+                hit = self._regrouped[memo_key] = (parts, composed)
+            return hit[1].compose(spec.n_layers) if spec.n_layers > hit[1].traced_layers else hit[1]
         return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
 
     def _get_exact(self, spec: ModelSpec, parallelize: ParallelizeFn | None, layout: Mapping[str, int],
-                   batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None) -> Trace:
-        key = self.key(spec, parallelize, layout, batch_size=batch_size, dtype=dtype, optimizer=optimizer)
+                   batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None,
+                   ring_rounds: int | None = None) -> Trace:
+        key = self.key(spec, parallelize, layout, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
+                       ring_rounds=ring_rounds)
         trace = self._traces.get(key) or self._load(key)
         if trace is None:
             self.misses += 1
             traced = min(REUSE_LAYERS, spec.n_layers)
             trace = trace_step(
                 spec, parallelize, dict(layout_class(layout)),
-                n_layers=traced, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
+                n_layers=traced, batch_size=batch_size, dtype=dtype, optimizer=optimizer, ring_rounds=ring_rounds,
             )
             self._store(key, trace)
         else:

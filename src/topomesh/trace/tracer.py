@@ -160,6 +160,50 @@ def _forget_meshes() -> None:
         clear_native()
 
 
+_RING_FUNCTIONS = ("_templated_ring_attention", "_templated_ring_attention_backward")
+
+
+class _RingSize:
+    """``torch.distributed`` as PyTorch's ring attention sees it, with its loop's world size set.
+
+    The ring functions take their round count from ``dist.get_world_size(group)``; only calls
+    made directly from those two functions get ``rounds`` (the rotaters, which move the real
+    buffers over the real group, ask from their own methods and get the true size)."""
+
+    def __init__(self, real: object, rounds: int) -> None:
+        self._real = real
+        self._rounds = rounds
+
+    def get_world_size(self, group: object = None) -> int:
+        import sys
+
+        if sys._getframe(1).f_code.co_name in _RING_FUNCTIONS:
+            return self._rounds
+        return self._real.get_world_size(group)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def limited_ring(rounds: int) -> Iterator[None]:
+    """Run context-parallel ring attention for ``rounds`` rounds (see :func:`trace_step`).
+
+    On rank 0 (the traced rank) round 0 is the causal local block; every later round, with
+    PyTorch's round-robin load balancing, attends the second half of the local queries to a
+    whole received key/value chunk — the same shapes in every round — and each round but the
+    last sends the chunk on. So a ring of ``n`` rounds is the ring of 4 plus ``n - 4`` copies
+    of what the ring of 4 adds to the ring of 3 (:func:`topomesh.trace.cache.compose_rounds`)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    real = _attention.dist
+    _attention.dist = _RingSize(real, rounds)
+    try:
+        yield
+    finally:
+        _attention.dist = real
+
+
 class _CudaAttentionKernels(torch.overrides.TorchFunctionMode):
     """Issue causal/plain ``F.scaled_dot_product_attention`` on CPU tensors as the CUDA flash
     kernel, ``aten._scaled_dot_product_flash_attention``, so PyTorch's context-parallel rules
@@ -272,6 +316,7 @@ def trace_step(
     split_blocks: bool = True,
     optimizer: OptimizerFactory | None = default_optimizer,
     warm_up: bool = True,
+    ring_rounds: int | None = None,
 ) -> Trace:
     """Trace forward, backward and optimizer step of one rank under ``layout``.
 
@@ -282,8 +327,13 @@ def trace_step(
     a steady-state step: no first-step lazy initialization, optimizer state present, FSDP2's
     root resharded by backward as in every later step. Raises :class:`TraceError` naming the op and the reason when the model
     does not trace.
+
+    ``ring_rounds`` (context parallel only) runs PyTorch's ring attention for that many rounds
+    instead of one per ``cp`` rank, with the real group and shapes (:func:`limited_ring`); the
+    trace cache composes the full ring from two such traces.
     """
     axes = normalize_layout(layout)
+    ring_rounds_n = ring_rounds
     world = math.prod(d for _, d in axes)
     depth = spec.n_layers if n_layers is None else n_layers
     start = time.perf_counter()
@@ -306,7 +356,8 @@ def trace_step(
         step = _step_fn(spec, model, markers, optimizers)
         cp = dict(axes).get(Axis.CP.value, 1) > 1
         try:
-            with fake, (_CudaAttentionKernels() if cp else contextlib.nullcontext()):
+            with (fake, _CudaAttentionKernels() if cp else contextlib.nullcontext(),
+                  limited_ring(ring_rounds_n) if cp and ring_rounds_n else contextlib.nullcontext()):
                 inputs, labels = spec.make_inputs(batch_size)
                 if cp:
                     inputs, labels = _cp_inputs(spec, mesh, inputs, labels)
