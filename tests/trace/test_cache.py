@@ -108,9 +108,14 @@ def test_files_are_private_json_and_hold_the_full_key(fast: list[dict], tmp_path
     assert path.name == hashlib.sha256(key.encode()).hexdigest()[:32] + ".trace.json.gz"
     assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
     doc = json.loads(gzip.decompress(path.read_bytes()))
-    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", 3, key)
-    assert key.endswith("|format3")
-    assert doc["trace"]["layout"] == [["tp", 2]] and doc["trace"]["model"] == trace.model
+    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", 4, key)
+    assert key.endswith("|format4")
+    body = doc["trace"]["trace"]
+    assert body["layout"] == [["tp", 2]] and body["model"] == trace.model
+    # each distinct record once; segments list indices
+    events = [i for seg in body["segments"] for i in seg["events"]]
+    assert len(doc["trace"]["records"]) == len(set(events)) == len(set(trace.segments[0].events + sum(
+        (s.events + s.prefetch for s in trace.segments[1:]), ())))
 
 
 class _Payload:
@@ -149,7 +154,7 @@ def _tamper(path: Path, edit) -> None:  # noqa: ANN001
 
 
 def _first_op(doc: dict) -> dict:
-    return next(e for s in doc["trace"]["segments"] for e in s["events"] if e["type"] == "OpRecord" and e["flops"])
+    return next(e for e in doc["trace"]["records"] if e["type"] == "OpRecord" and e["flops"])
 
 
 @pytest.mark.parametrize(
@@ -161,9 +166,14 @@ def _first_op(doc: dict) -> dict:
         (lambda doc: _first_op(doc).update(flops=True), "flops: expected an integer"),
         (lambda doc: _first_op(doc)["inputs"][0]["stride"].append(1), "inputs\\[0\\]: shape .* same length"),
         (lambda doc: _first_op(doc).update(evil=1), "unknown keys \\['evil'\\]"),
-        (lambda doc: doc["trace"].update(n_layers=0), "traced_layers 1, n_layers 0"),
+        (lambda doc: doc["trace"]["trace"].update(n_layers=0), "traced_layers 1, n_layers 0"),
+        (lambda doc: doc["trace"]["trace"]["segments"][0]["events"].append(10**6), "events: expected a list of record indices"),
+        (lambda doc: doc["trace"]["trace"]["segments"][0]["events"].append(-1), "events: expected a list of record indices"),
+        (lambda doc: doc["trace"]["trace"]["segments"][0]["events"].append(True), "events: expected a list of record indices"),
+        (lambda doc: doc["trace"]["trace"]["segments"][0].update(prefetch="0"), "prefetch: expected a list of record indices"),
+        (lambda doc: doc["trace"].update(extra=[]), "expected an object with exactly 'records' and 'trace'"),
         (lambda doc: doc.update(key="someone else's key"), "stored for a different key"),
-        (lambda doc: doc.update(version=2), "not a topomesh-trace file of version 3"),
+        (lambda doc: doc.update(version=3), "not a topomesh-trace file of version 4"),
     ],
 )
 def test_a_tampered_entry_is_ignored_and_replaced(fast, tmp_path, caplog, edit, reason) -> None:  # noqa: ANN001

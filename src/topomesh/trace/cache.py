@@ -197,10 +197,11 @@ def callable_key(fn: Callable | None) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-TRACE_FORMAT = 3
+TRACE_FORMAT = 4
 """Part of every cache key and file; raised when the tracer or the built-in models change what a
 trace holds, so traces stored by an older topomesh are not reused (2: context parallel, attention
-as its own ``sdpa`` module, GPT positions as a buffer; 3: JSON files instead of pickle)."""
+as its own ``sdpa`` module, GPT positions as a buffer; 3: JSON files instead of pickle; 4: each
+distinct record stored once, :func:`topomesh.trace.codec.trace_to_json`)."""
 
 FILE_FORMAT = "topomesh-trace"
 MAX_FILE_BYTES = 64 * 2**20
@@ -337,7 +338,7 @@ class TraceCache:
         path = self._path(key)
         if path is None:
             return
-        doc = {"format": FILE_FORMAT, "version": TRACE_FORMAT, "key": key, "trace": codec.to_json(trace)}
+        doc = {"format": FILE_FORMAT, "version": TRACE_FORMAT, "key": key, "trace": codec.trace_to_json(trace)}
         data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         try:
             write_atomic(path, gzip.compress(data, compresslevel=6, mtime=0), mode=0o600)
@@ -379,7 +380,7 @@ def _read_entry(path: Path, key: str) -> Trace:
     if doc.get("key") != key:
         raise TraceError("stored for a different key")
     try:
-        return codec.from_json(Trace, doc.get("trace"), "trace")
+        return codec.trace_from_json(doc.get("trace"), "trace")
     except RecursionError:
         raise TraceError("nested too deeply") from None
 
