@@ -19,6 +19,7 @@ order instead; the two agree exactly (tests/search/test_run.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,9 +152,17 @@ def trace_one(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ..
 
 
 def score_cells(inputs: PlanInputs, cells: Sequence[Cell], exhaustive: bool = False) -> list[Scored]:
-    """:func:`score_cell` for each cell, on one freshly built context."""
-    ctx = Context.build(inputs)
+    """:func:`score_cell` for each cell, on the task process's context for ``inputs``."""
+    ctx = _context(inputs)
     return [s for cell in cells for s in score_cell(ctx, cell, exhaustive=exhaustive)]
+
+
+@functools.lru_cache(maxsize=1)
+def _context(inputs: PlanInputs) -> Context:
+    """One context per worker process and inputs: a pool runs several tasks in one process, and
+    building a cluster of many thousand ranks and its placement takes seconds. Its memo only
+    shares exact results (see :class:`~topomesh.sim.simulate.SimMemo`)."""
+    return Context.build(inputs)
 
 
 def score_cells_exhaustive(inputs: PlanInputs, cells: Sequence[Cell]) -> list[Scored]:

@@ -149,7 +149,7 @@ def search(
         scored.extend(failed_cells)
     if parallel:
         done = 0
-        for batch, result in _run(_score_task(exhaustive), inputs, _split(cells, slots), workers, ray_address):
+        for batch, result in _run(_score_task(exhaustive), inputs, _split_by_trace(cells, slots), workers, ray_address):
             scored.extend(result)
             done += len(batch)
             _tell(progress, "scoring", done, len(cells))
@@ -264,6 +264,24 @@ def _split(items: Sequence, parts: int) -> list[list]:
     """``items`` in up to ``parts`` interleaved batches (big and small rows spread evenly)."""
     parts = max(1, min(parts, len(items)))
     return [list(items[i::parts]) for i in range(parts)] if items else []
+
+
+def _split_by_trace(cells: Sequence[Cell], parts: int) -> list[list[Cell]]:
+    """``cells`` in up to ``parts`` batches of about equal layouts, the cells of one trace in one
+    batch (a task reads each trace it scores from the cache once)."""
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        groups.setdefault(_trace_class(c.degrees, c.knobs[0][1]), []).append(c)
+    weight = {k: sum(math.factorial(sum(1 for d in c.degrees if d > 1)) * len(c.knobs) for c in g)
+              for k, g in groups.items()}
+    parts = max(1, min(parts, len(groups)))
+    batches: list[list[Cell]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for k in sorted(groups, key=lambda k: -weight[k]):  # heaviest first onto the lightest batch
+        i = load.index(min(load))
+        batches[i].extend(groups[k])
+        load[i] += weight[k]
+    return [b for b in batches if b]
 
 
 def _score_task(exhaustive: bool) -> Callable[[PlanInputs, list[Cell]], list[Scored]]:
