@@ -166,27 +166,30 @@ class Pricer:
         gather: list[CollectiveRecord] = []
         reduce: list[CollectiveRecord] = []
         shared = self.cluster.collectives_share_compute
+        seen: dict[int, tuple[float, bool, bool] | None] = {}  # per record object: traces repeat them
         for seg in segments:
             saved += seg.saved_bytes
             peak = max(peak, seg.peak_output_bytes)
             for e in seg.events:
-                if drop[e] > 0:
+                if drop and drop[e] > 0:
                     drop[e] -= 1
                     continue
                 if isinstance(e, OpRecord):
-                    if not profilable(e):
+                    key = id(e)
+                    if key in seen:
+                        hit = seen[key]
+                    else:
+                        hit = seen[key] = self._op_cost(e) if profilable(e) else None
+                    if hit is None:
                         continue
-                    before = self.measured
-                    s = self.op_s(e)
-                    if self.measured > before:
+                    s, was_measured, matmul_grad = hit
+                    if was_measured:
                         measured += 1
                     else:
                         roofline += 1
-                    if e.phase in self.dtensor_phases:
-                        s += self.cluster.dtensor_dispatch_s * self.cluster.core_share
                     compute += s
                     flops += e.flops
-                    if e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL:
+                    if matmul_grad:
                         weight += s / 2
                 elif e.group_size > 1:
                     if is_param_collective(e) and e.kind is not CollectiveKind.ALL_GATHER and e.phase is not Phase.OPTIMIZER:
@@ -208,6 +211,19 @@ class Pricer:
         return Digest(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
                       flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
                       gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline)
+
+    def _op_cost(self, e: OpRecord) -> tuple[float, bool, bool]:
+        """(seconds with DTensor dispatch, from the op table?, a backward matmul?) of one op."""
+        before = self.measured
+        s = self.op_s(e)
+        was_measured = self.measured > before
+        if was_measured:
+            self.measured -= 1
+        else:
+            self.roofline -= 1
+        if e.phase in self.dtensor_phases:
+            s += self.cluster.dtensor_dispatch_s * self.cluster.core_share
+        return s, was_measured, e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL
 
     def priced(self, d: Digest) -> Work:
         """``d`` with its collectives priced on their links."""

@@ -424,14 +424,15 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             gathered = max([gathered, *(2 * w.gather_bytes + 2 * w.reduce_bytes for w in works)])
         peak_out = max([peak_out, *(w.peak_output_bytes for w in works)])
     live: dict[tuple[int, int], int] = {}
-    act_peak = most = 0
+    act_peak = most = total = 0
     for a in actions:
         if a.kind is Kind.F:
+            total += saved.get(a.stage, 0) - live.get((a.stage, a.mb), 0)
             live[(a.stage, a.mb)] = saved.get(a.stage, 0)
-            act_peak = max(act_peak, sum(live.values()))
+            act_peak = max(act_peak, total)
             most = max(most, len(live))
-        elif a.kind in (Kind.B, Kind.I):
-            live.pop((a.stage, a.mb), None)
+        elif a.kind is Kind.B or a.kind is Kind.I:
+            total -= live.pop((a.stage, a.mb), 0)
     return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
                        activations_bytes=act_peak, in_flight=most, transient_bytes=gathered + peak_out)
 
