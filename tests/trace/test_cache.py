@@ -323,3 +323,21 @@ def test_a_long_ring_is_composed_from_rings_of_three_and_four_rounds_exactly(lay
     assert composed.summary() == real.summary()
     sends = [e for e in composed.events() if getattr(e, "mesh_axis", None) == "cp"]
     assert sends and {e.group_size for e in sends} == {layout["cp"]}
+
+
+def test_stored_says_whether_get_would_trace(fast: list[dict], tmp_path) -> None:  # noqa: ANN001
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    d = tmp_path / "traces"
+    assert not TraceCache(d).stored(spec, par, {"tp": 2}) and not TraceCache().stored(spec, par, {"tp": 2})
+    TraceCache(d).get(spec, par, {"tp": 2, "dp_replicate": 2})
+    TraceCache(d).get(spec, par, {"cp": 8})
+    fresh = TraceCache(d)
+    assert fresh.stored(spec, par, {"tp": 2, "dp_replicate": 64})  # the shared dp_replicate=2 file
+    assert fresh.stored(spec, par, {"cp": 8})  # both ring files
+    assert not fresh.stored(spec, par, {"cp": 16, "tp": 2}) and not fresh.stored(spec, par, {"tp": 2})
+    assert not fresh.stored(spec, par, {"tp": 2, "dp_replicate": 2}, batch_size=2)
+    calls = len(fast)
+    fresh.get(spec, par, {"cp": 8})
+    assert len(fast) == calls  # stored means read, not traced
+    (next(d.iterdir())).unlink()
+    assert not TraceCache(d).stored(spec, par, {"cp": 8}) or not TraceCache(d).stored(spec, par, {"tp": 2, "dp_replicate": 2})

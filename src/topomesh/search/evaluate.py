@@ -139,6 +139,15 @@ def trace_classes(inputs: PlanInputs, classes: Sequence[tuple[tuple[int, ...], K
     return [trace_one(inputs, model, cache, degrees, knobs) for degrees, knobs in classes]
 
 
+def is_stored(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> bool:
+    """Whether the trace cache holds what scoring the class reads (see :meth:`TraceCache.stored`)."""
+    from topomesh.sim.simulate import trace_request
+
+    lay = Layout(**{a.value: d for a, d in zip(AXES, degrees, strict=True)})
+    args, kw = trace_request(model, lay, training_for(inputs, model, knobs))
+    return cache.stored(*args, **kw)
+
+
 def trace_one(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> str | None:
     """Trace one class (``None``) or say why it cannot be traced."""
     from topomesh.sim.simulate import trace_layout

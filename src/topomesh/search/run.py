@@ -120,15 +120,18 @@ def search(
     slots = (workers if ray_address is None else max(workers, 1)) * chunks_per_worker
 
     errors: dict[tuple, str] = {}
-    if parallel:
-        batches = _split(classes, slots)
+    if parallel:  # a worker would read every stored trace only to find it there: skip those
+        from topomesh.search.evaluate import is_stored
+
+        to_trace = [c for c in classes if not is_stored(inputs, ctx.model, ctx.sim.cache, *c)]
+        batches = _split(to_trace, slots)
         done = 0
         for batch, result in _run(trace_classes, inputs, batches, workers, ray_address):
             for cls, err in zip(batch, result, strict=True):
                 if err is not None:
                     errors[cls] = err
             done += len(batch)
-            _tell(progress, "tracing", done, len(classes))
+            _tell(progress, "tracing", done + len(classes) - len(to_trace), len(classes))
     else:
         from topomesh.search.evaluate import trace_one
 

@@ -248,14 +248,20 @@ def mixed_precision(layout: Layout, training: Training) -> bool:
     return training.mixed_precision and sharded and DTYPES[training.dtype] is not torch.float32
 
 
-def trace_layout(model: Model, layout: Layout, training: Training, cache: TraceCache | None = None) -> Trace:
-    """The trace of ``layout``'s class under ``training``'s knobs (traced once per class)."""
+def trace_request(model: Model, layout: Layout, training: Training) -> tuple[tuple, dict]:
+    """The arguments of :meth:`TraceCache.get` for ``layout``'s class under ``training``."""
     degrees = {a.value: layout.degree(a) for a in layout.mesh_axes if a is not Axis.PP}
     mixed = mixed_precision(layout, training)
     dtype = torch.float32 if mixed else DTYPES[training.dtype]
+    return (model.spec, model.parallelize(training, mixed), degrees), {"batch_size": training.micro_batch,
+                                                                         "dtype": dtype}
+
+
+def trace_layout(model: Model, layout: Layout, training: Training, cache: TraceCache | None = None) -> Trace:
+    """The trace of ``layout``'s class under ``training``'s knobs (traced once per class)."""
     cache = cache if cache is not None else TraceCache()  # an empty cache is falsy (it has a length)
-    return cache.get(model.spec, model.parallelize(training, mixed), degrees,
-                     batch_size=training.micro_batch, dtype=dtype)
+    args, kw = trace_request(model, layout, training)
+    return cache.get(*args, **kw)
 
 
 def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training, *,

@@ -295,6 +295,28 @@ class TraceCache:
             return hit[1].compose(spec.n_layers) if spec.n_layers > hit[1].traced_layers else hit[1]
         return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
 
+    def stored(
+        self,
+        spec: ModelSpec,
+        parallelize: ParallelizeFn | None,
+        layout: Mapping[str, int],
+        *,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        optimizer: OptimizerFactory | None = default_optimizer,
+    ) -> bool:
+        """Whether every trace :meth:`get` reads for ``layout`` is in memory or has a file (not
+        opened: a bad file is still found, logged and traced again by :meth:`get`)."""
+        wanted = shared_class(layout)
+        rounds = (RING_ROUNDS - 1, RING_ROUNDS) if wanted.get(Axis.CP.value, 1) > RING_ROUNDS else (None,)
+        for n in rounds:
+            key = self.key(spec, parallelize, wanted, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
+                           ring_rounds=n)
+            path = self._path(key)
+            if key not in self._traces and (path is None or not path.is_file()):
+                return False
+        return True
+
     def _get_exact(self, spec: ModelSpec, parallelize: ParallelizeFn | None, layout: Mapping[str, int],
                    batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None,
                    ring_rounds: int | None = None) -> Trace:
