@@ -269,14 +269,7 @@ def simulate_pipeline(
     """Run every pipeline rank's actions; ``plans[s]`` prices global stage ``s``,
     ``stage_rank[s]`` is the rank holding it, ``p2p_s`` one boundary send."""
     ranks = [RankState(spans=[] if record else None) for _ in actions]
-    firsts: dict[int, int] = {}  # stage -> its first forward's micro-batch
-    lasts: dict[tuple[int, Kind], int] = {}  # (stage, B or W) -> its last micro-batch
-    for acts in actions:
-        for a in acts:
-            if a.kind is Kind.F:
-                firsts.setdefault(a.stage, a.mb)
-            else:
-                lasts[(a.stage, a.kind)] = a.mb
+    firsts, lasts = first_and_last(actions)
     done: dict[tuple[int, str, int], float] = {}
     memo: dict = {}
     idx = [0] * len(actions)
@@ -328,6 +321,20 @@ def simulate_pipeline(
     end = [s.compute_free for s in ranks]
     crit = max(range(len(ranks)), key=end.__getitem__)
     return EngineResult(step_time_s=end[crit], critical_rank=crit, ranks=tuple(ranks))
+
+
+def first_and_last(actions: Sequence[Sequence[Action]]) -> tuple[dict[int, int], dict[tuple[int, Kind], int]]:
+    """Per stage the micro-batch of its first forward, and per (stage, B/I/W) of its last one:
+    the actions whose pieces differ (:meth:`StagePlan.pieces`)."""
+    firsts: dict[int, int] = {}
+    lasts: dict[tuple[int, Kind], int] = {}
+    for acts in actions:
+        for a in acts:
+            if a.kind is Kind.F:
+                firsts.setdefault(a.stage, a.mb)
+            else:
+                lasts[(a.stage, a.kind)] = a.mb
+    return firsts, lasts
 
 
 def _dependency(a: Action, last: int) -> tuple[int, str, int] | None:

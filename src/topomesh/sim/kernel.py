@@ -29,7 +29,7 @@ import numba
 import numpy as np
 
 from topomesh.errors import LayoutError
-from topomesh.sim.engine import EngineResult, Piece, RankState, StagePlan
+from topomesh.sim.engine import EngineResult, Piece, RankState, StagePlan, first_and_last
 from topomesh.sim.price import Stream
 from topomesh.sim.schedules import Kind, Schedule, action_order, stage_count
 
@@ -336,14 +336,7 @@ def encode_actions(schedule: Schedule, pp: int, microbatches: int, interleave: i
     actions = action_order(schedule, pp=pp, microbatches=microbatches, interleave=interleave)
     n_stages = stage_count(schedule, pp, interleave) if pp > 1 else 1
     last = n_stages - 1
-    firsts: dict[int, int] = {}
-    lasts: dict[tuple[int, Kind], int] = {}
-    for acts in actions:
-        for a in acts:
-            if a.kind is Kind.F:
-                firsts.setdefault(a.stage, a.mb)
-            else:
-                lasts[(a.stage, a.kind)] = a.mb
+    firsts, lasts = first_and_last(actions)
     slots: dict[tuple[int, str, int], int] = {}
 
     def slot(key: tuple[int, str, int]) -> int:

@@ -271,29 +271,35 @@ class TraceCache:
         """The step of ``spec`` at full depth under ``layout``, traced at most once per class."""
         wanted = dict(layout_class(layout))
         traced_class = shared_class(wanted)
+
+        def exact() -> Trace:
+            return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
+
         if traced_class != wanted:
             base = self.get(spec, parallelize, traced_class, batch_size=batch_size, dtype=dtype, optimizer=optimizer)
-            memo_key = (id(base.segments), tuple(sorted(wanted.items())))
-            hit = self._regrouped.get(memo_key)
-            if hit is None:
-                regrouped = regroup(base, wanted)
-                if regrouped is None:  # the sharing would not be exact for this trace: trace the class itself
-                    return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
-                hit = self._regrouped[memo_key] = (base.segments, regrouped)
-            return hit[1].compose(spec.n_layers) if spec.n_layers > hit[1].traced_layers else hit[1]
-        cp = wanted.get(Axis.CP.value, 1)
-        if cp > RING_ROUNDS:
+            trace = self._derived((id(base.segments), tuple(sorted(wanted.items()))), base.segments,
+                                  lambda: regroup(base, wanted), exact)
+        elif wanted.get(Axis.CP.value, 1) > RING_ROUNDS:
             parts = [self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer, ring_rounds=n)
                      for n in (RING_ROUNDS - 1, RING_ROUNDS)]
-            memo_key = (id(parts[0].segments), id(parts[1].segments), cp)
-            hit = self._regrouped.get(memo_key)
-            if hit is None:
-                composed = compose_rounds(parts[0], parts[1], cp)
-                if composed is None:  # not a pure repetition: trace the whole ring
-                    return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
-                hit = self._regrouped[memo_key] = (parts, composed)
-            return hit[1].compose(spec.n_layers) if spec.n_layers > hit[1].traced_layers else hit[1]
-        return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
+            trace = self._derived((id(parts[0].segments), id(parts[1].segments), wanted[Axis.CP.value]), parts,
+                                  lambda: compose_rounds(parts[0], parts[1], wanted[Axis.CP.value]), exact)
+        else:
+            return exact()
+        return trace.compose(spec.n_layers) if spec.n_layers > trace.traced_layers else trace
+
+    def _derived(self, memo_key: tuple, keep: object, build: Callable[[], Trace | None],
+                 exact: Callable[[], Trace]) -> Trace:
+        """A trace derived from stored ones (:func:`regroup`, :func:`compose_rounds`), built once
+        per ``memo_key`` (ids of the sources, kept alive with it by ``keep``); the class traced
+        itself (``exact``) when the derivation would not be exact."""
+        hit = self._regrouped.get(memo_key)
+        if hit is None:
+            trace = build()
+            if trace is None:
+                return exact()
+            hit = self._regrouped[memo_key] = (keep, trace)
+        return hit[1]
 
     def stored(
         self,
