@@ -126,22 +126,17 @@ class Pricer:
         self.table = table
         self._ops = {} if op_cache is None else op_cache
         """Op record -> (seconds, measured); share it between pricings on one cluster and table."""
-        self.measured = 0
-        self.roofline = 0
         self.dtensor_phases: frozenset[Phase] = frozenset()
         """Phases whose ops run on DTensors and pay :attr:`Cluster.dtensor_dispatch_s`
         (set per trace by :func:`price_trace`, see :func:`dtensor_phases`)."""
 
-    def op_s(self, rec: OpRecord) -> float:
+    def op_s(self, rec: OpRecord) -> tuple[float, bool]:
+        """(seconds on this cluster's share of cores, whether the op table measured it)."""
         hit = self._ops.get(rec)
         if hit is None:
             cost = op_time_s(rec, self.cluster.device, self.table)
             hit = self._ops[rec] = (cost.seconds, cost.measured)
-        if hit[1]:
-            self.measured += 1
-        else:
-            self.roofline += 1
-        return hit[0] * self.cluster.core_share
+        return hit[0] * self.cluster.core_share, hit[1]
 
     def comm(self, rec: CollectiveRecord) -> Comm:
         link = self.link_of(rec.mesh_axis or "")
@@ -214,13 +209,7 @@ class Pricer:
 
     def _op_cost(self, e: OpRecord) -> tuple[float, bool, bool]:
         """(seconds with DTensor dispatch, from the op table?, a backward matmul?) of one op."""
-        before = self.measured
-        s = self.op_s(e)
-        was_measured = self.measured > before
-        if was_measured:
-            self.measured -= 1
-        else:
-            self.roofline -= 1
+        s, was_measured = self.op_s(e)
         if e.phase in self.dtensor_phases:
             s += self.cluster.dtensor_dispatch_s * self.cluster.core_share
         return s, was_measured, e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL
@@ -265,8 +254,9 @@ class Digest:
     gather_bytes: int
     reduce_bytes: int
     measured: int
-    """Ops priced from the op table (counted once per op record of the piece)."""
+    """Op records of the piece priced from the op table (every occurrence counted)."""
     roofline: int
+    """Op records of the piece priced by the roofline."""
 
 
 def _split(segments: Iterable[Segment], phase: Phase) -> tuple[list[Segment], list[Segment], list[Segment]]:
@@ -335,9 +325,6 @@ def price_trace(trace: Trace, pricer: Pricer, digests: dict | None = None) -> Pr
         if digests is not None:
             digests[key] = hit
     pieces, boundary = hit[1]
-    for d in pieces.values():
-        pricer.measured += d.measured
-        pricer.roofline += d.roofline
     n = trace.traced_layers
     work = {name: pricer.priced(d) for name, d in pieces.items()}
     first, last = trace.first_state.total, trace.last_state.total
@@ -356,14 +343,13 @@ def price_trace(trace: Trace, pricer: Pricer, digests: dict | None = None) -> Pr
         first_state=trace.first_state,
         last_state=trace.last_state,
         boundary_bytes=boundary,
-        measured_ops=pricer.measured,
-        roofline_ops=pricer.roofline,
+        measured_ops=sum(d.measured for d in pieces.values()),
+        roofline_ops=sum(d.roofline for d in pieces.values()),
     )
 
 
 def _digest_trace(trace: Trace, pricer: Pricer) -> tuple[dict[str, Digest], int]:
     pricer.dtensor_phases = dtensor_phases(trace.layout) if pricer.cluster.dtensor_dispatch_s else frozenset()
-    measured, roofline = pricer.measured, pricer.roofline
     f_pre, f_blocks, f_post = _split(trace.segments, Phase.FORWARD)
     b_post, b_blocks, b_pre = _split(trace.segments, Phase.BACKWARD)
     o_pre, o_blocks, o_post = _split(trace.segments, Phase.OPTIMIZER)
@@ -381,7 +367,6 @@ def _digest_trace(trace: Trace, pricer: Pricer) -> tuple[dict[str, Digest], int]
         "opt_block": pricer.digest(o_blocks),
         "opt_rest": pricer.digest([*o_pre, *o_post]),
     }
-    pricer.measured, pricer.roofline = measured, roofline  # counted by price_trace, per pricing
     block_fwd = [e for s in f_blocks for e in s.events if isinstance(e, OpRecord) and profilable(e)]
     boundary = 0
     if block_fwd:

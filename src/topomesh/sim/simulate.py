@@ -181,11 +181,11 @@ class SimMemo:
     memory: dict = field(default_factory=dict)
     """Memory per pipeline rank per (trace, schedule, pp, micro-batches, interleave, depth)."""
     digests: dict = field(default_factory=dict)
+    """A trace's pieces before their collectives are priced (:func:`~topomesh.sim.price.price_trace`)."""
     templates: dict = field(default_factory=dict)
     """Encoded stage plans per (trace, layers per stage, pipelined) (:func:`topomesh.sim.kernel.template`)."""
     comms: dict = field(default_factory=dict)
     """A collective record's price per (record, link)."""
-    """A trace's pieces before their collectives are priced (:func:`~topomesh.sim.price.price_trace`)."""
 
 
 def link_key(layout: Layout, axes: tuple[Axis, ...]) -> tuple[tuple[int, int], ...]:
@@ -297,9 +297,6 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             links[name] = memo_axis_link(cluster, layout, name, memo, placement)
         return links[name]
 
-    axes = memo.axes.get(id(trace.segments))
-    if axes is None:
-        axes = memo.axes[id(trace.segments)] = (trace.segments, collective_axes(trace))
     for a in layout.mesh_axes:
         if layout.degree(a) > 1:
             link_of(a.value)
@@ -314,10 +311,10 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             stage_rank[s] = r
     # the plans of this trace and stage split, with their collectives as slots (link-free)
     tpl_key = (id(trace.segments), tuple(layers), pp > 1)
+    from topomesh.sim import kernel  # numba: imported when a step is first simulated
+
     hit = memo.templates.get(tpl_key)
     if hit is None:
-        from topomesh.sim import kernel
-
         sym = SymbolicPricer(cluster, table or {}, memo.ops)
         sym_priced = price_trace(trace, sym, memo.digests)
         sym_plans = [_stage_plan(sym_priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
@@ -334,6 +331,9 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         if cluster.collectives_share_compute:
             p2p_s *= cluster.core_share
     if record:  # the Python engine draws the timeline, on plans priced on this layout's links
+        axes = memo.axes.get(id(trace.segments))
+        if axes is None:
+            axes = memo.axes[id(trace.segments)] = (trace.segments, collective_axes(trace))
         signature = (id(trace.segments), tuple(link_of(a) for a in axes[1]))
         priced = memo.priced.get(signature)
         if priced is None:
@@ -342,8 +342,6 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
         run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True)
     else:
-        from topomesh.sim import kernel
-
         pricer = Pricer(cluster, link_of, table or {}, memo.ops)
         secs, streams = [], []
         for r in tpl.records:
