@@ -80,8 +80,9 @@ def test_local_workers_give_the_in_process_plan(tmp_path: Path) -> None:
     cache = tmp_path / "traces"
     cache.mkdir(mode=0o700)
     inputs = PlanInputs(model="tiny-llama", cluster="dgx-h100", gpus=16, global_batch=16, cache_dir=str(cache))
-    one = search(inputs, strategies=["tp", "dp_shard", "pp"])
-    two = search(inputs, strategies=["tp", "dp_shard", "pp"], workers=2)
+    # dp_replicate: several degree rows share one trace, so a scoring batch holds more than one cell
+    one = search(inputs, strategies=["tp", "dp_shard", "dp_replicate", "pp"])
+    two = search(inputs, strategies=["tp", "dp_shard", "dp_replicate", "pp"], workers=2)
     assert [(e.index, e.knob, e.result.to_dict()) for e in two.entries] == [
         (e.index, e.knob, e.result.to_dict()) for e in one.entries]
     assert two.evaluated == one.evaluated > 0 and two.failed == one.failed

@@ -65,3 +65,23 @@ def test_sequence_parallel_as_pytorch_saves_it():
     s, h, t, a = cfg.seq_len, cfg.hidden, 8, cfg.n_heads
     got = block_saved("gpt-22b", batch=1, layout={"tp": t}, sequence_parallel=True)
     assert got == pytest.approx(s * h / t * 32 + 4 * s * h * (1 - 1 / t) + 4 * a // t * s, rel=0.10)
+
+
+def test_one_f_one_b_activations_peak_at_p_minus_r_micro_batches():
+    """1F1B: rank r runs p - r forwards before its first backward and then one of each, so it
+    keeps p - r micro-batches of activations at most (Narayanan et al. 2021, §2.2). Stage
+    blocks keep 100 B each, 2 blocks per stage: rank r peaks at (4 - r) × 200 B."""
+    from topomesh.sim.price import PricedClass, Work
+    from topomesh.sim.schedules import action_order
+    from topomesh.sim.simulate import _memory, _stage_plan
+    from topomesh.trace.result import StateBytes
+
+    empty = Work()
+    p = PricedClass(fwd_pre=empty, fwd_block=Work(saved_bytes=100), fwd_post=empty, bwd_post=empty, bwd_block=empty,
+                    bwd_pre=empty, opt_block=empty, opt_first=empty, opt_last=empty, block_state=StateBytes(),
+                    first_state=StateBytes(), last_state=StateBytes(), boundary_bytes=0)
+    layers = [2, 2, 2, 2]
+    plans = [_stage_plan(p, s, 4, n, pipelined=True) for s, n in enumerate(layers)]
+    actions = action_order("1f1b", pp=4, microbatches=8)
+    got = [_memory(p, plans, layers, actions[r], r, [0, 1, 2, 3]).activations_bytes for r in range(4)]
+    assert got == [800, 600, 400, 200]
