@@ -139,3 +139,16 @@ def test_ranks_sharing_a_cpu_socket_are_not_an_nvlink_island() -> None:
     assert nvlink_island_size(topo) == 1
     assert nvlink_island_size(contiguous(_hosts(2))) == 8
     assert all(r.note is None for r in axis_report(topo, place(topo, Layout(tp=4))))
+
+
+def test_a_checked_rank_list_is_checked_again_for_another_world():
+    """Placements share the inverse of a rank list they already checked (a search places
+    thousands of layouts on one list); the same list under a layout of another size is refused."""
+    from topomesh.layout.place import Placement
+
+    ranks = (0, 2, 1, 3)
+    assert Placement(layout=Layout(tp=4), ranks=ranks, strategy=Strategy.TOPOLOGY).logical_rank(2) == 1
+    with pytest.raises(LayoutError, match="must use each of the 2 ranks once"):
+        Placement(layout=Layout(tp=2), ranks=ranks, strategy=Strategy.TOPOLOGY)
+    same = tuple([0, 2, 1, 3])  # an equal list, another object: checked on its own
+    assert Placement(layout=Layout(tp=4), ranks=same, strategy=Strategy.TOPOLOGY).logical_rank(3) == 3
