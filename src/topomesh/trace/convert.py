@@ -27,6 +27,7 @@ import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from topomesh.layout.dims import Axis
+from topomesh.trace import chunks
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase, TensorMeta
 
 _SKIP = {
@@ -237,10 +238,15 @@ def _resolve_op(name: str) -> object | None:
 
 def op_record(node: torch.fx.Node, phase: Phase) -> OpRecord:
     """The :class:`OpRecord` of a compute node; FLOPs on the node's own (local) shapes."""
-    target = node.target
-    args = [_val(a) for a in node.args]
-    kwargs = {k: _val(v) for k, v in node.kwargs.items()}
-    out = node.meta.get("val")
+    return _record(
+        node.target, [_val(a) for a in node.args], {k: _val(v) for k, v in node.kwargs.items()},
+        node.meta.get("val"), tuple(_hashable(a) for a in node.args if not isinstance(a, torch.fx.Node)), phase,
+    )
+
+
+def _record(target: object, args: list, kwargs: dict, out: object, scalars: tuple, phase: Phase) -> OpRecord:
+    """The :class:`OpRecord` of ``target`` called on argument values ``args``/``kwargs``
+    (``scalars``: its non-tensor positional arguments as recorded) giving ``out``."""
     inputs = tuple(tensor_meta(t) for t in _tensors(args)) + tuple(
         tensor_meta(t) for t in _tensors(list(kwargs.values()))
     )
@@ -254,7 +260,6 @@ def op_record(node: torch.fx.Node, phase: Phase) -> OpRecord:
     moved = 0
     if not getattr(target, "is_view", False) and str(packet) not in _VIEW_LIKE:
         moved = sum(_nbytes(t) for t in _tensors(args)) + sum(_nbytes(t) for t in _tensors(out))
-    scalars = tuple(_hashable(a) for a in node.args if not isinstance(a, torch.fx.Node))
     return OpRecord(
         op=str(target), inputs=inputs, outputs=outputs, flops=flops, bytes_moved=moved,
         phase=phase, args=scalars,
@@ -353,15 +358,19 @@ def collective_record(
     )
 
 
-def node_record(
+def node_records(
     node: torch.fx.Node, gm: torch.fx.GraphModule, groups: GroupTable, phase: Phase
-) -> OpRecord | CollectiveRecord | None:
-    """Our record for one graph node, or None for placeholders and bookkeeping."""
+) -> tuple[OpRecord | CollectiveRecord, ...]:
+    """Our records for one graph node: none for placeholders and bookkeeping, two for the
+    tracer's ``topomesh::chunk_cat`` (the ``torch.chunk`` and ``torch.cat`` it stands for,
+    :mod:`topomesh.trace.chunks`), one otherwise."""
     if node.op != "call_function":
-        return None
+        return ()
     name = "_operator.getitem" if node.target is operator.getitem else str(node.target)
     if name in _SKIP:
-        return None
+        return ()
     if name in _COLLECTIVES:
-        return collective_record(node, gm, groups, phase)
-    return op_record(node, phase)
+        return (collective_record(node, gm, groups, phase),)
+    if name in chunks.OPS:
+        return tuple(_record(*call, phase) for call in chunks.expand([_val(a) for a in node.args], node.meta.get("val")))
+    return (op_record(node, phase),)

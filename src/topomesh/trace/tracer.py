@@ -58,7 +58,8 @@ from topomesh.errors import LayoutError, TopomeshError, TraceError
 from topomesh.layout import groups
 from topomesh.layout.dims import Axis
 from topomesh.models.transformer import Transformer, TransformerConfig
-from topomesh.trace.convert import GroupTable, is_known, node_record
+from topomesh.trace import chunks
+from topomesh.trace.convert import GroupTable, is_known, node_records
 from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
 from topomesh.trace.result import Part, Segment, StateBytes, Trace
 
@@ -317,6 +318,7 @@ def trace_step(
     optimizer: OptimizerFactory | None = default_optimizer,
     warm_up: bool = True,
     ring_rounds: int | None = None,
+    fewer_views: bool = True,
 ) -> Trace:
     """Trace forward, backward and optimizer step of one rank under ``layout``.
 
@@ -331,6 +333,10 @@ def trace_step(
     ``ring_rounds`` (context parallel only) runs PyTorch's ring attention for that many rounds
     instead of one per ``cp`` rank, with the real group and shapes (:func:`limited_ring`); the
     trace cache composes the full ring from two such traces.
+
+    ``fewer_views`` makes only the shard pieces FSDP2 reads (:mod:`topomesh.trace.chunks`:
+    the same records, minutes less at shard degrees of thousands); off, it traces as PyTorch
+    runs, for the test that compares the two.
     """
     axes = normalize_layout(layout)
     ring_rounds_n = ring_rounds
@@ -338,7 +344,7 @@ def trace_step(
     depth = spec.n_layers if n_layers is None else n_layers
     start = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_process_group(world):
+    with fake_process_group(world), chunks.fewer_views() if fewer_views else contextlib.nullcontext():
         mesh = groups.init_mesh("cpu", [d for _, d in axes], [a for a, _ in axes])
         try:
             model = _build(spec, depth, dtype, fake)
@@ -512,19 +518,19 @@ def _segments(
         where[node] = len(keys) - 1
         apply(markers.marks.get(node, []))
 
-    records: dict[torch.fx.Node, OpRecord | CollectiveRecord] = {}
+    records: dict[torch.fx.Node, tuple[OpRecord | CollectiveRecord, ...]] = {}
     unknown: set[str] = set()
     for node, i in where.items():
-        rec = node_record(node, gm, groups, keys[i][0])
-        if rec is not None:
-            records[node] = rec
-            if not isinstance(rec, CollectiveRecord) and not is_known(node.target):
-                unknown.add(rec.op)
+        recs = node_records(node, gm, groups, keys[i][0])
+        if recs:
+            records[node] = recs
+            if len(recs) == 1 and not isinstance(recs[0], CollectiveRecord) and not is_known(node.target):
+                unknown.add(recs[0].op)
     prefetch = _prefetches(gm, where, keys, records)
     saved, peak = _liveness(gm, where, keys)
     events: list[list] = [[] for _ in keys]
-    for node, rec in records.items():
-        events[where[node]].append(rec)
+    for node, recs in records.items():
+        events[where[node]].extend(recs)
     segments = tuple(
         Segment(
             part=Part.REST if lay is None else Part.BLOCK, phase=ph, layer=lay,
@@ -541,7 +547,7 @@ def _prefetches(
     gm: torch.fx.GraphModule,
     where: Mapping[torch.fx.Node, int],
     keys: Sequence[tuple[Phase, int | None]],
-    records: Mapping[torch.fx.Node, OpRecord | CollectiveRecord],
+    records: Mapping[torch.fx.Node, tuple[OpRecord | CollectiveRecord, ...]],
 ) -> dict[int, tuple]:
     """Work issued outside a block on the block's behalf: by segment index of that block.
 
@@ -555,9 +561,9 @@ def _prefetches(
         if node.op == "placeholder" or any(a in from_input for a in node.all_input_nodes):
             from_input.add(node)
     out: dict[int, list[torch.fx.Node]] = {}
-    for node, rec in records.items():
+    for node, recs in records.items():
         seg = where[node]
-        if not isinstance(rec, CollectiveRecord) or keys[seg][1] is not None or node in from_input:
+        if not isinstance(recs[0], CollectiveRecord) or keys[seg][1] is not None or node in from_input:
             continue
         results = [node]
         if str(node.target).startswith("c10d.") and node.args:  # in place: reads the buffer
@@ -577,7 +583,7 @@ def _prefetches(
             stack.extend(n.all_input_nodes)
         out.setdefault(blocks.pop(), []).extend(unit)
     order = _order(gm)
-    return {i: tuple(records[n] for n in sorted(set(nodes), key=order) if n in records) for i, nodes in out.items()}
+    return {i: tuple(r for n in sorted(set(nodes), key=order) for r in records.get(n, ())) for i, nodes in out.items()}
 
 
 def _liveness(
