@@ -14,22 +14,25 @@ from topomesh.trace import chunks
 from topomesh.trace.tracer import trace_step, transformer_spec
 
 
-@pytest.mark.parametrize(("model", "layout"), [
-    ("tiny-llama", {"dp_shard": 32, "tp": 2}),  # kv and wq weights: fewer rows than shards -> Shard(1)
-    ("tiny-moe", {"dp_shard": 16, "ep": 2, "tp": 2}),  # expert weights sharded on dim 1 as well
+@pytest.mark.parametrize(("model", "layout", "ops"), [
+    # kv and wq weights have fewer rows than shards -> Shard(1): copy-out and gradient copy-in
+    ("tiny-llama", {"dp_shard": 32, "tp": 2}, {"chunk_cat", "chunk_cat_out"}),
+    ("tiny-moe", {"dp_shard": 16, "ep": 2, "tp": 2}, {"chunk_cat", "chunk_cat_out"}),  # experts too
+    ("tiny-llama", {"cp": 8, "dp_shard": 2}, {"chunk_piece"}),  # the ring's gathered key/value pieces
 ])
-def test_fewer_views_gives_the_trace_pytorch_gives(model: str, layout: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fewer_views_gives_the_trace_pytorch_gives(model: str, layout: dict, ops: set,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """With every chunk taken the short way (``MIN_PIECES`` 2), the trace equals one traced
     as PyTorch runs: per segment the records as a multiset, prefetches, kept activations, the
-    largest tensor; and the training state. The short way is really taken (chunk_cat ops)."""
+    largest tensor; and the training state. The short way is really taken."""
     monkeypatch.setattr(chunks, "MIN_PIECES", 2)
     expanded = []
     real_expand = chunks.expand
-    monkeypatch.setattr(chunks, "expand", lambda *a: expanded.append(a[0][1]) or real_expand(*a))
+    monkeypatch.setattr(chunks, "expand", lambda *a: expanded.append(a[0].split(".")[1]) or real_expand(*a))
     spec = transformer_spec(get_preset(model))
     par = make_parallelize(ParallelOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     fast = trace_step(spec, par, layout, n_layers=1, dtype=torch.float32)
-    assert expanded and set(expanded) == {layout["dp_shard"]}  # copy-out and gradient copy-in, F pieces each
+    assert set(expanded) == ops
     slow = trace_step(spec, par, layout, n_layers=1, dtype=torch.float32, fewer_views=False)
     assert len(fast.segments) == len(slow.segments)
     for a, b in zip(fast.segments, slow.segments, strict=True):
@@ -52,12 +55,12 @@ def test_split_and_cat_records_name_the_pieces_like_make_fx() -> None:
     """A 4-row, 6-column tensor cut in 2 along dim 0 and joined along dim 1: split records the
     piece size alone (dim 0 is the default), cat records its dim and one slot per piece."""
     t = torch.empty(4, 6)
-    split, cat = chunks.expand([t, 2, 0, 1], torch.empty(2, 12))
+    split, cat = chunks.expand("topomesh.chunk_cat.default", [t, 2, 0, 1], torch.empty(2, 12))
     assert split[0] is torch.ops.aten.split.Tensor and split[4] == (2,)
     assert [tuple(p.shape) for p in split[3]] == [(2, 6), (2, 6)] and split[3][1].stride() == (6, 1)
     assert cat[0] is torch.ops.aten.cat.default and cat[4] == ((None, None), 1)
     out = torch.empty(2, 12)
-    _, cat_out = chunks.expand([t, 2, 1, 0, out], None)
+    _, cat_out = chunks.expand("topomesh.chunk_cat_out.default", [t, 2, 1, 0, out], None)
     assert cat_out[0] is torch.ops.aten.cat.out and cat_out[2] == {"out": out} and cat_out[4] == ((None, None),)
 
 
@@ -97,3 +100,12 @@ def test_deferred_pieces_read_as_pieces_are_torch_chunks_own() -> None:
     assert torch.equal(fake_torch.cat(pieces), t)  # made already: a plain cat
     assert not isinstance(fake_torch.chunk(t, 3), chunks._Pieces)  # uneven: torch.chunk itself
     assert not isinstance(fake_torch.chunk(t.requires_grad_(), 4), chunks._Pieces)  # autograd on
+
+
+def test_chunk_piece_is_the_view_chunk_picks() -> None:
+    t = torch.arange(24.0).reshape(8, 3)
+    got = torch.ops.topomesh.chunk_piece(t, 4, 3)
+    want = t.chunk(4)[3]
+    assert torch.equal(got, want) and got.data_ptr() == want.data_ptr() and got.stride() == want.stride()
+    (split,) = chunks.expand("topomesh.chunk_piece.default", [t, 4, 3], got)
+    assert split[0] is torch.ops.aten.split.Tensor and split[4] == (2,) and len(split[3]) == 4

@@ -1,10 +1,12 @@
-"""Fewer fake views in a trace at large shard degrees, with the same records.
+"""Fewer fake views in a trace at large shard and context-parallel degrees, with the same records.
 
-FSDP2 cuts tensors into one piece per shard rank with ``torch.chunk``. On fake tensors every
-piece is a Python object that costs 40–60 µs to make (FakeTensor construction, and in
-``make_fx`` a graph node per piece), so at a shard degree ``F`` of thousands a 70B trace spent
-most of its time making pieces nobody reads: 29 s at ``tp=4, dp_shard=4096`` against 1 s at
-small ``F``. Two places make them:
+FSDP2 cuts tensors into one piece per shard rank with ``torch.chunk``, and PyTorch's ring
+attention cuts its gathered keys and values into one piece per ``cp`` rank every round. On
+fake tensors every piece is a Python object that costs 40–60 µs to make (FakeTensor
+construction, and in ``make_fx`` a graph node per piece), so at degrees of thousands a 70B
+trace spent most of its time making pieces nobody reads: 31.5 s at ``tp=4, dp_shard=4096``,
+35.8 s for a 3-round ring at ``cp=4096``, against 1–2 s at small degrees. Three places
+make them:
 
 - **Wrapping** (``FSDPParam`` init): ``_chunk_with_empty(param, F, dim)`` builds all ``F``
   pieces, and FSDP2 reads two (its own rank's and piece 0, the padded size). Under
@@ -21,11 +23,16 @@ small ``F``. Two places make them:
   ``aten.split.Tensor`` then ``aten.cat``, with the same shapes, strides, bytes and
   arguments. They sit at the cat's place in the segment, after any op that ran between the
   two calls; the simulator reads a segment's ops as a multiset, so that changes nothing it
-  computes. A test traces with and without, record by record.
+  computes.
+- **Every ring round** (``_AllGatherRotater.next_buffer``, the default rotation):
+  ``gathered.chunk(cp)[rank - round]``. Under :func:`fewer_views` it is
+  ``topomesh::chunk_piece``, a view of the gathered buffer like the piece it stands for (so
+  liveness, which follows storages, is unchanged), and :func:`expand` gives back the
+  ``aten.split.Tensor`` record; the ``getitem`` that picked the piece has no record.
 
 Only a chunk into at least :data:`MIN_PIECES` even pieces with autograd off is taken this
 way; the pieces used in any other way than as the one input of ``torch.cat`` are made then,
-by ``torch.chunk`` itself.
+by ``torch.chunk`` itself. Tests trace with and without, record by record.
 """
 
 from __future__ import annotations
@@ -62,7 +69,20 @@ def _(t: torch.Tensor, pieces: int, chunk_dim: int, cat_dim: int, out: torch.Ten
     return None
 
 
-OPS = {"topomesh.chunk_cat.default", "topomesh.chunk_cat_out.default"}
+_LIB = torch.library.Library("topomesh", "FRAGMENT")  # the op below; kept for the process
+_LIB.define("chunk_piece(Tensor(a) self, int pieces, int index) -> Tensor(a)")
+
+
+def _piece(t: torch.Tensor, pieces: int, index: int) -> torch.Tensor:
+    rows = t.shape[0] // pieces
+    return t.narrow(0, index * rows, rows)
+
+
+for _key in ("CPU", "Meta"):
+    _LIB.impl("chunk_piece", _piece, _key)
+# ``topomesh::chunk_piece(t, n, i)``: ``t.chunk(n)[i]`` for n even pieces, a view of ``t``.
+
+OPS = {"topomesh.chunk_cat.default", "topomesh.chunk_cat_out.default", "topomesh.chunk_piece.default"}
 """Graph targets :func:`expand` turns back into records."""
 
 
@@ -121,18 +141,23 @@ class _Torch:
         return getattr(torch, name)
 
 
-def expand(args: Sequence[Any], out: torch.Tensor) -> tuple[tuple, tuple]:
-    """The (target, args, kwargs, value, scalars) of ``aten.split.Tensor`` and of ``aten.cat``
-    for a ``topomesh::chunk_cat[_out]`` node's argument values and result, as ``make_fx``
-    records the two calls it stands for (a default dim of 0 left out, as the tracer does).
+def expand(target: str, args: Sequence[Any], out: torch.Tensor) -> tuple[tuple, ...]:
+    """The (target, args, kwargs, value, scalars) of the calls a ``topomesh::`` node stands
+    for, as ``make_fx`` records them (a default dim of 0 left out, as it does):
+    ``aten.split.Tensor`` then ``aten.cat`` for ``chunk_cat[_out]``; ``aten.split.Tensor``
+    alone for ``chunk_piece`` (the piece it picks is a ``getitem``, which has no record).
 
     The pieces are made on the meta device (a few µs each, no fake tensors)."""
+    if target == "topomesh.chunk_piece.default":
+        args = (args[0], args[1], 0, 0)
     t, pieces, chunk_dim, cat_dim = args[:4]
     base = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
     parts = list(torch.chunk(base, pieces, chunk_dim))
     size = t.shape[chunk_dim] // pieces
     split_scalars = (size,) if chunk_dim == 0 else (size, chunk_dim)
     split = (torch.ops.aten.split.Tensor, [t, *split_scalars], {}, parts, split_scalars)
+    if target == "topomesh.chunk_piece.default":
+        return (split,)
     nodes = (None,) * pieces
     cat_scalars = (nodes,) if cat_dim == 0 else (nodes, cat_dim)
     if len(args) > 4:  # chunk_cat_out
@@ -161,13 +186,17 @@ def fewer_views(min_pieces: int | None = None) -> Iterator[None]:
             return real(tensor, num_chunks, dim)
         return _ShardPieces(tensor, num_chunks, dim)
 
+    rotater = _all_gather_rotater()
     saved = [(mod, name, getattr(mod, name)) for mod, name in ((_fsdp_param, "_chunk_with_empty"),
-                                                                  (_fsdp_collectives, "torch"))
+                                                                  (_fsdp_collectives, "torch"),
+                                                                  (rotater, "next_buffer"))
              if getattr(mod, name, None) is not None]
     if real is not None:
         _fsdp_param._chunk_with_empty = chunk_with_empty
     if getattr(_fsdp_collectives, "torch", None) is torch:
         _fsdp_collectives.torch = _Torch(least)
+    if rotater is not None:
+        rotater.next_buffer = _next_buffer(rotater.next_buffer, least)
     try:
         yield
     finally:
@@ -200,3 +229,31 @@ class _ShardPieces(Sequence):
             start = i * self.rows
             return self.t.narrow(self.dim, start, min(self.rows, self.t.shape[self.dim] - start))
         return self[0].new_empty(0)
+
+
+def _all_gather_rotater() -> type | None:
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+    except ImportError:  # pragma: no cover - a torch without context parallel
+        return None
+    rotater = getattr(_attention, "_AllGatherRotater", None)
+    return rotater if rotater is not None and hasattr(rotater, "next_buffer") else None
+
+
+def _next_buffer(real: Any, least: int) -> Any:
+    """``_AllGatherRotater.next_buffer`` (context-parallel ring attention, every round):
+    ``gathered.chunk(cp)[rank - round]``, as ``topomesh::chunk_piece`` when ``cp`` is at least
+    ``least`` and divides the gathered rows; PyTorch's own method otherwise."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    def next_buffer(self: Any) -> torch.Tensor:
+        buf = getattr(self, "_aggregated_buffer", None)
+        if buf is None:
+            return real(self)
+        buf = self._aggregated_buffer = _attention._maybe_wait(buf)
+        n = _attention.dist.get_world_size(self._pg)
+        if n < least or buf.dim() == 0 or buf.shape[0] % n:
+            return real(self)
+        return torch.ops.topomesh.chunk_piece(buf, n, (_attention.dist.get_rank(self._pg) - self._idx) % n)
+
+    return next_buffer

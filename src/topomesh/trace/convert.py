@@ -372,5 +372,5 @@ def node_records(
     if name in _COLLECTIVES:
         return (collective_record(node, gm, groups, phase),)
     if name in chunks.OPS:
-        return tuple(_record(*call, phase) for call in chunks.expand([_val(a) for a in node.args], node.meta.get("val")))
+        return tuple(_record(*call, phase) for call in chunks.expand(name, [_val(a) for a in node.args], node.meta.get("val")))
     return (op_record(node, phase),)
