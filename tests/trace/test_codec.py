@@ -46,6 +46,16 @@ def test_nan_in_args_survives() -> None:
     assert math.isnan(from_json(OpRecord, json.loads(json.dumps(to_json(rec), allow_nan=False))).args[0])
 
 
+def test_a_cat_of_one_piece_per_shard_rank_round_trips() -> None:
+    """FSDP2 at a shard degree of 8,192 concatenates 8,192 pieces: the cat's argument list
+    has a slot per piece (the trace cache refused such files before, and traced them again)."""
+    cat = OpRecord(op="aten.cat.out", inputs=(A,) * 8192, outputs=(A,), args=((None,) * 8192, 1))
+    back = from_json(OpRecord, json.loads(json.dumps(to_json(cat))))
+    assert back == cat and back.args == ((None,) * 8192, 1)
+    with pytest.raises(TraceError, match="longer than 1048576"):
+        from_json(OpRecord, dict(to_json(cat), args=[[None] * (2**20 + 1)]), "rec")
+
+
 def _raw() -> dict:
     return json.loads(json.dumps(to_json(TRACE)))
 

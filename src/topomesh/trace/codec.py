@@ -42,6 +42,9 @@ MAX_STR = 1000
 MAX_ITEMS = 10_000_000
 """Longest list accepted (records of a segment, dims of a shape...)."""
 MAX_ARGS_DEPTH = 8
+MAX_ARGS_ITEMS = 2**20
+"""Longest list in an op's scalar arguments: ``aten.cat`` holds a slot per input tensor, and
+FSDP2 concatenates one piece per shard rank (8,192 in a 16,384-GPU search)."""
 """Deepest nesting of an op's scalar arguments (lists of lists of ints)."""
 MAX_DIMS = 64
 MAX_NUMEL = 2**50
@@ -317,8 +320,9 @@ def _show(raw: Any) -> str:
 
 def _args_from_json(raw: Any, path: Path, depth: int) -> Any:
     if isinstance(raw, list):
-        if depth >= MAX_ARGS_DEPTH or len(raw) > 4096:
-            raise TraceError(f"{_where(path)}: op arguments nested deeper than {MAX_ARGS_DEPTH} or longer than 4096")
+        if depth >= MAX_ARGS_DEPTH or len(raw) > MAX_ARGS_ITEMS:
+            raise TraceError(f"{_where(path)}: op arguments nested deeper than {MAX_ARGS_DEPTH} or longer than "
+                             f"{MAX_ARGS_ITEMS}")
         return tuple(_args_from_json(v, (path, i), depth + 1) for i, v in enumerate(raw))
     if isinstance(raw, dict):
         if set(raw) == {"float"} and raw["float"] in _NONFINITE:
