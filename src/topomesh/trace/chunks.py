@@ -122,9 +122,8 @@ class _Torch:
         self._least = least
 
     def chunk(self, t: torch.Tensor, chunks: int, dim: int = 0) -> Sequence[torch.Tensor]:
-        size = t.shape[dim] if t.dim() else 0
-        if (chunks < self._least or size == 0 or size % chunks or type(dim) is not int
-                or torch.is_grad_enabled() and t.requires_grad):
+        size = t.shape[dim] if type(dim) is int and t.dim() else 0
+        if chunks < self._least or size == 0 or size % chunks or torch.is_grad_enabled() and t.requires_grad:
             return torch.chunk(t, chunks, dim=dim)
         return _Pieces(t, chunks, dim)
 
