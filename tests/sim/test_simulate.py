@@ -31,9 +31,12 @@ def wide16() -> Simulator:
 
 def test_a_class_is_traced_once():
     sim = Simulator(model=builtin_model(get_preset("tiny-llama")), cluster=load_cluster("dgx-h100", gpus=8))
-    for layout in (Layout(tp=2, dp_shard=4), Layout(dp_shard=4, tp=2, order="dp_shard-tp")):
+    layouts = (Layout(tp=2, dp_shard=4), Layout(dp_shard=4, tp=2, order="dp_shard-tp"))
+    for layout in layouts:
         sim.simulate(layout, Training(global_batch=8))
-    assert (sim.cache.misses, sim.cache.hits) == (1, 1)  # the order does not change a rank's trace
+    assert (sim.cache.misses, sim.cache.hits) == (1, 0)  # the order does not change a rank's trace
+    # ... nor its digest: the second layout reads the first one's
+    assert sim.digest(layouts[0], Training(global_batch=8)) is sim.digest(layouts[1], Training(global_batch=8))
 
 
 def test_breakdown_accounts_for_every_second(wide16):
@@ -93,7 +96,7 @@ def test_fsdp_gathers_hide_behind_compute_when_compute_is_longer():
     # of all the FSDP traffic (gathers and reduce-scatters, priced on their link) at most
     # half is exposed; were the gathers blocking, all of it would be
     sim.simulate(Layout(dp_shard=8), Training(global_batch=64, micro_batch=8), record=True)  # prices the plans
-    (priced,) = sim._memo.priced.values()
+    ((_, priced),) = sim._memo.priced.values()
     assert priced.fwd_block.gather and not priced.fwd_block.blocking
 
     def total(w) -> float:
@@ -123,7 +126,7 @@ def test_pipeline_stages_hold_their_share_of_layers(wide16):
     # a stage sends its block output: micro-batch 1 × (1024 / tp 4, sequence parallel) × 2048 × 2 B
     alone = Simulator(model=wide16.model, cluster=wide16.cluster, cache=wide16.cache)  # the trace is cached
     alone.simulate(Layout(pp=4, tp=4), Training(global_batch=8), record=True)  # record: plans priced on the links
-    (priced,) = alone._memo.priced.values()
+    ((_, priced),) = alone._memo.priced.values()
     assert priced.boundary_bytes == 1 * 1024 // 4 * 2048 * 2
     assert split_layers(4, 4) == [1, 1, 1, 1]
     assert split_layers(10, 4) == [3, 3, 2, 2] and split_layers(7, 7) == [1] * 7

@@ -181,7 +181,6 @@ def score_cells_exhaustive(inputs: PlanInputs, cells: Sequence[Cell]) -> list[Sc
 
 def score_cell(ctx: Context, cell: Cell, *, exhaustive: bool = False) -> list[Scored]:
     """Every order × knob row of ``cell`` (see the module docstring for the sharing)."""
-    from topomesh.sim.price import collective_axes
     from topomesh.sim.simulate import memo_axis_link
 
     layouts = cell_layouts(cell)
@@ -189,7 +188,7 @@ def score_cell(ctx: Context, cell: Cell, *, exhaustive: bool = False) -> list[Sc
     for k, knobs in cell.knobs:
         training = ctx.training(knobs)
         try:
-            trace = ctx.sim.trace(layouts[0], training)
+            digest = ctx.sim.digest(layouts[0], training)
         except TopomeshError as exc:
             out.append(Scored(row=cell.row, result=None, members=tuple((p, k) for p in range(len(layouts))),
                               error=str(exc)))
@@ -197,7 +196,7 @@ def score_cell(ctx: Context, cell: Cell, *, exhaustive: bool = False) -> list[Sc
         if exhaustive:
             out.extend(_simulate(ctx, cell.row, lay, training, ((p, k),)) for p, lay in enumerate(layouts))
             continue
-        names = sorted(set(collective_axes(trace)) | {a.value for a in layouts[0].mesh_axes
+        names = sorted(set(digest.axes) | {a.value for a in layouts[0].mesh_axes
                                                       if layouts[0].degree(a) > 1})
         groups: dict[tuple, list[int]] = {}
         memo = ctx.sim._memo

@@ -120,10 +120,12 @@ def search(
     slots = (workers if ray_address is None else max(workers, 1)) * chunks_per_worker
 
     errors: dict[tuple, str] = {}
-    if parallel:  # a worker would read every stored trace only to find it there: skip those
-        from topomesh.search.evaluate import is_stored
+    from topomesh.search.evaluate import is_stored
 
-        to_trace = [c for c in classes if not is_stored(inputs, ctx.model, ctx.sim.cache, *c)]
+    # reading every stored trace only to find it there would cost more than scoring (scoring
+    # reads the class digests, :mod:`topomesh.sim.digest`): skip those
+    to_trace = [c for c in classes if not is_stored(inputs, ctx.model, ctx.sim.cache, *c)]
+    if parallel:
         batches = _split(to_trace, slots)
         done = 0
         for batch, result in _run(trace_classes, inputs, batches, workers, ray_address):
@@ -135,11 +137,11 @@ def search(
     else:
         from topomesh.search.evaluate import trace_one
 
-        for i, (degrees, kn) in enumerate(classes):
+        for i, (degrees, kn) in enumerate(to_trace):
             err = trace_one(inputs, ctx.model, ctx.sim.cache, degrees, kn)
             if err is not None:
                 errors[(degrees, kn)] = err
-            _tell(progress, "tracing", i + 1, len(classes))
+            _tell(progress, "tracing", i + 1 + len(classes) - len(to_trace), len(classes))
 
     suspect = {c: e for c, e in errors.items() if "process group" in e}  # the symptom, see _retry_isolated
     if suspect and inputs.cache_dir is not None:

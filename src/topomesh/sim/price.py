@@ -312,22 +312,64 @@ def dtensor_phases(layout: Iterable[tuple[str, int]]) -> frozenset[Phase]:
     return frozenset(phases)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClassDigest:
+    """Everything the simulator reads from one layout class's trace, before any link is priced:
+    each piece's :class:`Digest`, the stage boundary, the state bytes, the FLOPs of the step at
+    full depth and the axes its collectives run on. Kept per trace in memory and on disk
+    (:mod:`topomesh.sim.digest`), so a warm search never decodes a trace."""
+
+    fwd_pre: Digest
+    fwd_block: Digest
+    fwd_post: Digest
+    bwd_post: Digest
+    bwd_block: Digest
+    bwd_pre: Digest
+    opt_block: Digest
+    opt_rest: Digest
+    """The optimizer work outside the blocks (shared by the first and last stage)."""
+    boundary_bytes: int
+    traced_layers: int
+    block_state: StateBytes
+    first_state: StateBytes
+    last_state: StateBytes
+    flops_by_phase: tuple[tuple[str, int], ...]
+    """FLOPs per phase of the whole step at the model's depth (:meth:`Trace.summary`)."""
+    axes: tuple[str, ...]
+    """:func:`collective_axes` of the trace."""
+
+    def pieces(self) -> dict[str, Digest]:
+        return {name: getattr(self, name) for name in PIECES}
+
+
+PIECES = ("fwd_pre", "fwd_block", "fwd_post", "bwd_post", "bwd_block", "bwd_pre", "opt_block", "opt_rest")
+
+
 def price_trace(trace: Trace, pricer: Pricer, digests: dict | None = None) -> PricedClass:
     """Price a trace (as traced, not composed: blocks are priced once and repeated by the engine).
 
     ``digests`` (a dict kept between calls) holds each trace's link-free part
-    (:meth:`Pricer.digest` of every piece), so pricing the same trace on other links only
-    prices its collectives; exact, the digest is what the links do not change."""
-    key = id(trace.segments)
+    (:func:`digest_class`), so pricing the same trace on other links only prices its
+    collectives; exact, the digest is what the links do not change."""
+    return price_digest(memo_digest(trace, pricer, digests), pricer)
+
+
+def memo_digest(trace: Trace, pricer: Pricer, digests: dict | None = None) -> ClassDigest:
+    """:func:`digest_class` of ``trace`` at its own depth, once per trace through ``digests``."""
+    key = (id(trace.segments), trace.n_layers)
     hit = None if digests is None else digests.get(key)
     if hit is None:
-        hit = (trace.segments, _digest_trace(trace, pricer))
+        hit = (trace.segments, digest_class(trace, pricer))
         if digests is not None:
             digests[key] = hit
-    pieces, boundary = hit[1]
-    n = trace.traced_layers
-    work = {name: pricer.priced(d) for name, d in pieces.items()}
-    first, last = trace.first_state.total, trace.last_state.total
+    return hit[1]
+
+
+def price_digest(d: ClassDigest, pricer: Pricer) -> PricedClass:
+    """The pieces of ``d`` with their collectives priced by ``pricer``."""
+    n = d.traced_layers
+    work = {name: pricer.priced(p) for name, p in d.pieces().items()}
+    first, last = d.first_state.total, d.last_state.total
     share = first / (first + last) if first + last else 0.5
     return PricedClass(
         fwd_pre=work["fwd_pre"],
@@ -339,16 +381,18 @@ def price_trace(trace: Trace, pricer: Pricer, digests: dict | None = None) -> Pr
         opt_block=_per_block(work["opt_block"], n),
         opt_first=_scaled(work["opt_rest"], share),
         opt_last=_scaled(work["opt_rest"], 1.0 - share),
-        block_state=trace.block_state,
-        first_state=trace.first_state,
-        last_state=trace.last_state,
-        boundary_bytes=boundary,
-        measured_ops=sum(d.measured for d in pieces.values()),
-        roofline_ops=sum(d.roofline for d in pieces.values()),
+        block_state=d.block_state,
+        first_state=d.first_state,
+        last_state=d.last_state,
+        boundary_bytes=d.boundary_bytes,
+        measured_ops=sum(p.measured for p in d.pieces().values()),
+        roofline_ops=sum(p.roofline for p in d.pieces().values()),
     )
 
 
-def _digest_trace(trace: Trace, pricer: Pricer) -> tuple[dict[str, Digest], int]:
+def digest_class(trace: Trace, pricer: Pricer) -> ClassDigest:
+    """The link-free part of pricing ``trace`` (op times, collectives sorted by how they run)
+    and what else the simulator reads from it; ``trace.n_layers`` is the depth of the FLOPs."""
     pricer.dtensor_phases = dtensor_phases(trace.layout) if pricer.cluster.dtensor_dispatch_s else frozenset()
     f_pre, f_blocks, f_post = _split(trace.segments, Phase.FORWARD)
     b_post, b_blocks, b_pre = _split(trace.segments, Phase.BACKWARD)
@@ -357,22 +401,28 @@ def _digest_trace(trace: Trace, pricer: Pricer) -> tuple[dict[str, Digest], int]
     # head: the records stay in that REST segment and are listed as the block's prefetch.
     prefetch = [e for s in b_blocks for e in s.prefetch]
     moved = Counter(prefetch)
-    pieces = {
-        "fwd_pre": pricer.digest(f_pre),
-        "fwd_block": pricer.digest(f_blocks),
-        "fwd_post": pricer.digest(f_post),
-        "bwd_post": pricer.digest(b_post, exclude=moved),
-        "bwd_block": pricer.digest(b_blocks, extra_gather=prefetch),
-        "bwd_pre": pricer.digest(b_pre, exclude=moved),
-        "opt_block": pricer.digest(o_blocks),
-        "opt_rest": pricer.digest([*o_pre, *o_post]),
-    }
     block_fwd = [e for s in f_blocks for e in s.events if isinstance(e, OpRecord) and profilable(e)]
     boundary = 0
     if block_fwd:
         out = block_fwd[-1].outputs
         boundary = sum(t.numel * itemsize(t.dtype) for t in out[:1])
-    return pieces, boundary
+    return ClassDigest(
+        fwd_pre=pricer.digest(f_pre),
+        fwd_block=pricer.digest(f_blocks),
+        fwd_post=pricer.digest(f_post),
+        bwd_post=pricer.digest(b_post, exclude=moved),
+        bwd_block=pricer.digest(b_blocks, extra_gather=prefetch),
+        bwd_pre=pricer.digest(b_pre, exclude=moved),
+        opt_block=pricer.digest(o_blocks),
+        opt_rest=pricer.digest([*o_pre, *o_post]),
+        boundary_bytes=boundary,
+        traced_layers=trace.traced_layers,
+        block_state=trace.block_state,
+        first_state=trace.first_state,
+        last_state=trace.last_state,
+        flops_by_phase=tuple(sorted(trace.summary().flops_by_phase.items())),
+        axes=collective_axes(trace),
+    )
 
 
 def _scaled(work: Work, k: float) -> Work:

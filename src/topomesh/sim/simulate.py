@@ -18,6 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,21 +29,25 @@ from topomesh.layout.dims import Axis, Layout
 from topomesh.layout.place import Placement, Strategy, locality_order
 from topomesh.sim.engine import EngineResult, Piece, StagePlan, simulate_pipeline
 from topomesh.sim.price import (
+    ClassDigest,
     PricedClass,
     Pricer,
     Stream,
     SymbolicPricer,
     Work,
-    collective_axes,
-    price_trace,
+    memo_digest,
+    price_digest,
 )
 from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
 from topomesh.sim.schedules import Action, Kind, Schedule, action_order, rank_stages, stage_count
 from topomesh.sim.timeline import chrome_trace
 from topomesh.trace.cache import TraceCache
+
+if TYPE_CHECKING:
+    from topomesh.sim.digest import DigestStore
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord
 from topomesh.trace.result import StateBytes, Trace
-from topomesh.trace.tracer import ModelSpec, ParallelizeFn
+from topomesh.trace.tracer import ModelSpec, ParallelizeFn, default_optimizer
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -157,33 +162,50 @@ class Simulator:
         return trace_layout(self.model, layout, training, self.cache)
 
     _memo: SimMemo = field(default_factory=lambda: SimMemo())
+    _digests: DigestStore | None = None
+    _pricing: str | None = None
+
+    def digest(self, layout: Layout, training: Training) -> ClassDigest:
+        """The :class:`~topomesh.sim.price.ClassDigest` of ``layout``'s class: from memory, from
+        the trace cache directory (:mod:`topomesh.sim.digest`), else digested from its trace."""
+        from topomesh.sim.digest import DigestStore, digest_key, pricing_fingerprint
+
+        if self._digests is None:
+            self._digests = DigestStore(self.cache.directory)
+            self._pricing = pricing_fingerprint(self.cluster, self.table)
+        args, kw = trace_request(self.model, layout, training)
+        key = digest_key(self.cache.key(*args, **kw, optimizer=default_optimizer), self._pricing)
+
+        def build() -> ClassDigest:
+            trace = self.trace(layout, training)
+            return memo_digest(trace, SymbolicPricer(self.cluster, self.table, self._memo.ops), self._memo.digests)
+
+        return self._digests.get(key, build)
 
     def simulate(self, layout: Layout, training: Training, *, record: bool = False) -> StepResult:
         return simulate(self.model, self.cluster, layout, training, cache=self.cache, table=self.table,
-                        record=record, trace=self.trace(layout, training), memo=self._memo)
+                        record=record, digest=self.digest(layout, training), memo=self._memo)
 
 
 @dataclass(slots=True)
 class SimMemo:
     """Work shared between simulations of one model on one cluster and op table: op times,
-    a priced class per (trace, links of its collective axes), a trace's FLOPs per phase.
+    a priced class per (class digest, links of its collective axes), each trace's digest.
     Sharing is exact: the same inputs give the same numbers."""
 
     ops: dict = field(default_factory=dict)
     priced: dict = field(default_factory=dict)
-    flops: dict = field(default_factory=dict)
-    axes: dict = field(default_factory=dict)
     ranks: dict = field(default_factory=dict)
     """The topology placement's rank list per cluster (:func:`topomesh.layout.place.locality_order`
     depends only on the topology, not on the layout)."""
     links: dict = field(default_factory=dict)
     """:class:`AxisLink` per (cluster, link name, :func:`link_key`)."""
     memory: dict = field(default_factory=dict)
-    """Memory per pipeline rank per (trace, schedule, pp, micro-batches, interleave, depth)."""
+    """Memory per pipeline rank per (digest, schedule, pp, micro-batches, interleave, depth)."""
     digests: dict = field(default_factory=dict)
-    """A trace's pieces before their collectives are priced (:func:`~topomesh.sim.price.price_trace`)."""
+    """A trace's :class:`~topomesh.sim.price.ClassDigest` per (trace, depth) (:func:`~topomesh.sim.price.memo_digest`)."""
     templates: dict = field(default_factory=dict)
-    """Encoded stage plans per (trace, layers per stage, pipelined) (:func:`topomesh.sim.kernel.template`)."""
+    """Encoded stage plans per (digest, layers per stage, pipelined) (:func:`topomesh.sim.kernel.template`)."""
     comms: dict = field(default_factory=dict)
     """A collective record's price per (record, link)."""
 
@@ -266,8 +288,11 @@ def trace_layout(model: Model, layout: Layout, training: Training, cache: TraceC
 
 def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training, *,
              cache: TraceCache | None = None, table: Mapping | None = None, record: bool = False,
-             trace: Trace | None = None, memo: SimMemo | None = None) -> StepResult:
-    """One layout's training step on ``cluster`` (see the module docstring)."""
+             trace: Trace | None = None, memo: SimMemo | None = None, digest: ClassDigest | None = None
+             ) -> StepResult:
+    """One layout's training step on ``cluster`` (see the module docstring). ``digest`` (its
+    class's, :meth:`Simulator.digest`) stands for the trace; else ``trace``, else the class is
+    traced through ``cache``."""
     if layout.world_size != cluster.world_size:
         raise LayoutError(
             f"layout {layout.describe()} has {layout.world_size} ranks, cluster {cluster.name} has "
@@ -281,9 +306,13 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             f"micro-batch {training.micro_batch}.")
     micro = training.global_batch // (dp * training.micro_batch)
     pp = layout.degree(Axis.PP)
-    if trace is None:
-        trace = trace_layout(model, layout, training, cache)
     memo = memo or SimMemo()
+    if digest is None:
+        if trace is None:
+            trace = trace_layout(model, layout, training, cache)
+        if model.spec.n_layers > trace.traced_layers and trace.n_layers != model.spec.n_layers:
+            trace = trace.compose(model.spec.n_layers)  # the FLOPs of the whole model
+        digest = memo_digest(trace, SymbolicPricer(cluster, table or {}, memo.ops), memo.digests)
     placed: list[Placement] = []  # built on the first link the memo does not hold (it takes milliseconds)
     links: dict[str, AxisLink] = {}
 
@@ -310,15 +339,15 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         for s in (rank_stages(schedule, pp, interleave, r) if pp > 1 else [0]):
             stage_rank[s] = r
     # the plans of this trace and stage split, with their collectives as slots (link-free)
-    tpl_key = (id(trace.segments), tuple(layers), pp > 1)
+    tpl_key = (id(digest), tuple(layers), pp > 1)
     from topomesh.sim import kernel  # numba: imported when a step is first simulated
 
     hit = memo.templates.get(tpl_key)
     if hit is None:
         sym = SymbolicPricer(cluster, table or {}, memo.ops)
-        sym_priced = price_trace(trace, sym, memo.digests)
+        sym_priced = price_digest(digest, sym)
         sym_plans = [_stage_plan(sym_priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
-        hit = memo.templates[tpl_key] = (trace.segments, kernel.template(sym_plans, sym.records, (sym_priced, sym_plans)))
+        hit = memo.templates[tpl_key] = (digest, kernel.template(sym_plans, sym.records, (sym_priced, sym_plans)))
     tpl = hit[1]
     sym_priced, sym_plans = tpl.extra
     p2p_s = 0.0
@@ -331,14 +360,12 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         if cluster.collectives_share_compute:
             p2p_s *= cluster.core_share
     if record:  # the Python engine draws the timeline, on plans priced on this layout's links
-        axes = memo.axes.get(id(trace.segments))
-        if axes is None:
-            axes = memo.axes[id(trace.segments)] = (trace.segments, collective_axes(trace))
-        signature = (id(trace.segments), tuple(link_of(a) for a in axes[1]))
+        signature = (id(digest), tuple(link_of(a) for a in digest.axes))
         priced = memo.priced.get(signature)
         if priced is None:
-            priced = memo.priced[signature] = price_trace(trace, Pricer(cluster, link_of, table or {}, memo.ops),
-                                                          memo.digests)
+            priced = memo.priced[signature] = (digest, price_digest(digest, Pricer(cluster, link_of, table or {},
+                                                                                   memo.ops)))
+        priced = priced[1]
         plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
         run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True)
     else:
@@ -353,19 +380,15 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             streams.append(0 if c.stream is Stream.INTRA else 1)
         run = kernel.run_template(tpl, np.array(secs, dtype=np.float64), np.array(streams, dtype=np.int64),
                                   schedule, pp, micro, interleave, stage_rank, p2p_s)
-    memory_key = (id(trace.segments), schedule, pp, micro, interleave, model.spec.n_layers)
+    memory_key = (id(digest), schedule, pp, micro, interleave, model.spec.n_layers)
     memory = memo.memory.get(memory_key)
     if memory is None:  # bytes only: the same on every placement
         memory = tuple(_memory(sym_priced, sym_plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
-        memo.memory[memory_key] = (trace.segments, memory)
+        memo.memory[memory_key] = (digest, memory)
     else:
         memory = memory[1]
-    flops = memo.flops.get(id(trace.segments))
-    if flops is None:
-        full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
-        flops = memo.flops[id(trace.segments)] = (trace.segments, full.summary().flops_by_phase)
-    return _result(model, cluster, layout, training, flops[1], sym_priced, run, memory, micro, links, schedule,
-                   interleave)
+    return _result(model, cluster, layout, training, dict(digest.flops_by_phase), sym_priced, run, memory, micro,
+                   links, schedule, interleave)
 
 
 def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool = False) -> StagePlan:

@@ -364,14 +364,8 @@ class TraceCache:
 
     def _store(self, key: str, trace: Trace) -> None:
         path = self._path(key)
-        if path is None:
-            return
-        doc = {"format": FILE_FORMAT, "version": TRACE_FORMAT, "key": key, "trace": codec.trace_to_json(trace)}
-        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        try:
-            write_atomic(path, gzip.compress(data, compresslevel=6, mtime=0), mode=0o600)
-        except OSError as exc:
-            log.warning("topomesh: cannot write the trace cache file %s (%s)", path, exc.strerror or exc)
+        if path is not None:
+            write_document(path, key, FILE_FORMAT, TRACE_FORMAT, {"trace": codec.trace_to_json(trace)})
 
 
 def _usable_directory(directory: Path) -> Path | None:
@@ -384,6 +378,19 @@ def _usable_directory(directory: Path) -> Path | None:
 
 def _read_entry(path: Path, key: str) -> Trace:
     """The trace stored in ``path`` for ``key``; OSError or TraceError saying why not."""
+    doc = read_document(path, key, FILE_FORMAT, TRACE_FORMAT)
+    try:
+        return codec.trace_from_json(doc.get("trace"), "trace")
+    except RecursionError:
+        raise TraceError("nested too deeply") from None
+
+
+def read_document(path: Path, key: str, file_format: str, version: int) -> dict:
+    """The JSON object stored gzip'd in ``path`` for ``key`` as ``file_format`` ``version``:
+    only from a regular file of this user (not followed if a symlink), at most
+    :data:`MAX_FILE_BYTES` packed and :data:`MAX_JSON_BYTES` unpacked, standard JSON (no
+    ``NaN``), with exactly these ``format``, ``version`` and ``key``; OSError or TraceError
+    saying why not."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
@@ -403,14 +410,22 @@ def _read_entry(path: Path, key: str) -> Trace:
         doc: Any = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, 4300+ digit numbers
         raise TraceError(f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT or doc.get("version") != TRACE_FORMAT:
-        raise TraceError(f"not a {FILE_FORMAT} file of version {TRACE_FORMAT}")
+    if not isinstance(doc, dict) or doc.get("format") != file_format or doc.get("version") != version:
+        raise TraceError(f"not a {file_format} file of version {version}")
     if doc.get("key") != key:
         raise TraceError("stored for a different key")
+    return doc
+
+
+def write_document(path: Path, key: str, file_format: str, version: int, body: dict[str, Any]) -> None:
+    """``{"format", "version", "key", **body}`` gzip'd into ``path`` (atomically, mode 0600);
+    a failure is logged, not raised (a cache that cannot write still works in memory)."""
+    doc = {"format": file_format, "version": version, "key": key, **body}
+    data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     try:
-        return codec.trace_from_json(doc.get("trace"), "trace")
-    except RecursionError:
-        raise TraceError("nested too deeply") from None
+        write_atomic(path, gzip.compress(data, compresslevel=6, mtime=0), mode=0o600)
+    except OSError as exc:
+        log.warning("topomesh: cannot write the cache file %s (%s)", path, exc.strerror or exc)
 
 
 def _reject_constant(name: str) -> Any:
