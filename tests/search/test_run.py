@@ -85,3 +85,23 @@ def test_mesh_of_by_hand() -> None:
     lay = Layout(tp=2, pp=2, order=(Axis.TP, Axis.PP))
     assert mesh_of(lay, (0, 1, 2, 3)).tolist() == [[0, 1], [2, 3]]
     assert mesh_of(lay, (3, 2, 1, 0)).tolist() == [[3, 2], [1, 0]]
+
+
+def _batch_sum(inputs: object, batch: list) -> list:
+    """A task for :func:`topomesh.search.run._run` (module level: spawned workers import it)."""
+    return [(inputs, sum(batch), os.getpid())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_run_gives_every_batch_once_and_this_process_takes_a_share(workers: int) -> None:
+    from topomesh.search.run import _run
+
+    batches = [[i, i + 1] for i in range(0, 40, 2)]
+    got = list(_run(_batch_sum, "in", batches, workers, None, here=True))
+    assert sorted(sum(b) for b, _ in got) == sorted(sum(b) for b in batches)
+    assert all(r == [("in", sum(b), r[0][2])] for b, r in got)
+    pids = {r[0][2] for _, r in got}
+    assert os.getpid() in pids and len(pids) <= workers  # this process is one of the workers
+    if workers == 1:
+        assert pids == {os.getpid()}

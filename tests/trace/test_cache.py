@@ -341,3 +341,62 @@ def test_stored_says_whether_get_would_trace(fast: list[dict], tmp_path) -> None
     assert len(fast) == calls  # stored means read, not traced
     (next(d.iterdir())).unlink()
     assert not TraceCache(d).stored(spec, par, {"cp": 8}) or not TraceCache(d).stored(spec, par, {"tp": 2, "dp_replicate": 2})
+
+
+def _failing(monkeypatch: pytest.MonkeyPatch, cause: BaseException | None) -> list[dict]:
+    """trace_step raising the tracer's TraceError for ``cause`` (as :func:`_trace_error` wraps it)."""
+    calls: list[dict] = []
+
+    def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(dict(layout=args[2], **kwargs))
+        raise TraceError(f"Model 'tiny-gpt' could not be traced (step): {cause!r}.") from cause
+
+    monkeypatch.setattr(cache_mod, "trace_step", fail)
+    return calls
+
+
+def test_a_class_that_cannot_be_traced_is_not_traced_again(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    calls = _failing(monkeypatch, NotImplementedError("FSDP does not support uneven sharding"))
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    with pytest.raises(TraceError, match="uneven sharding") as first:
+        TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    again = TraceCache(tmp_path)
+    assert again.failure(spec, par, {"tp": 2}) == str(first.value)
+    with pytest.raises(TraceError) as second:
+        again.get(spec, par, {"tp": 2})
+    assert str(second.value) == str(first.value) and len(calls) == 1
+    (path,) = tmp_path.glob("*.failed.json.gz")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert TraceCache(tmp_path).failure(spec, par, {"tp": 4}) is None  # another class: not failed
+
+
+@pytest.mark.parametrize("cause", [
+    RuntimeError("Could not resolve the process group registered under the name 3"),
+    MemoryError(),
+    OSError("disk full"),
+    torch.OutOfMemoryError("out of memory"),
+])
+def test_a_failure_that_need_not_repeat_is_not_stored(monkeypatch, tmp_path, cause) -> None:  # noqa: ANN001
+    calls = _failing(monkeypatch, cause)
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    for _ in range(2):
+        with pytest.raises(TraceError):
+            TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    assert len(calls) == 2 and not list(tmp_path.glob("*.failed.json.gz"))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda doc: doc.update(error=5),
+    lambda doc: doc.update(error=""),
+    lambda doc: doc.update(key="someone else's key"),
+])
+def test_a_tampered_failure_is_ignored(monkeypatch, tmp_path, caplog, edit) -> None:  # noqa: ANN001
+    calls = _failing(monkeypatch, ValueError("shape '[1, 8, 1, 128]' is invalid"))
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    with pytest.raises(TraceError):
+        TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    (path,) = tmp_path.glob("*.failed.json.gz")
+    _tamper(path, edit)
+    with caplog.at_level(logging.WARNING, logger="topomesh"), pytest.raises(TraceError):
+        TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    assert len(calls) == 2 and "ignoring the trace cache file" in caplog.text

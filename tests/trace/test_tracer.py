@@ -380,3 +380,34 @@ def test_replication_alone_is_ddp_traffic() -> None:
     kinds = {(k, axis, phase) for (k, axis, phase) in t.collectives}
     assert kinds == {("all_reduce", "dp_replicate", "backward")}
     assert t.collectives[("all_reduce", "dp_replicate", "backward")].bytes == 2 * cfg.total_params()
+
+
+MIXED = ParallelOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "preset, layout, opts, dtype, rounds",
+    [
+        ("tiny-llama", {"dp_shard": 4}, None, torch.bfloat16, None),
+        ("tiny-llama", {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, MIXED, torch.float32, None),
+        ("tiny-llama", {"dp_replicate": 4}, None, torch.bfloat16, None),
+        ("tiny-llama", {"dp_shard": 2, "cp": 2, "tp": 2}, None, torch.bfloat16, None),
+        ("tiny-llama", {"cp": 8}, None, torch.bfloat16, 3),
+        ("tiny-llama", {"tp": 2, "dp_shard": 2}, ParallelOptions(checkpointing=Checkpointing.FULL), torch.bfloat16, None),
+        ("tiny-llama", {"dp_shard": 2}, ParallelOptions(checkpointing=Checkpointing.SELECTIVE, reshard_after_forward=False),
+         torch.bfloat16, None),
+        ("tiny-moe", {"dp_shard": 2, "ep": 2}, MIXED, torch.float32, None),
+        ("tiny-gpt", {"tp": 2}, None, torch.bfloat16, None),
+    ],
+)
+def test_the_state_warm_up_gives_the_trace_a_whole_step_warm_up_gives(preset, layout, opts, dtype, rounds) -> None:  # noqa: ANN001
+    """The built-in models reach the steady state without running a step (``state_warm_up``):
+    the traced step is the same, record by record, as after a whole eager step."""
+    spec = transformer_spec(dataclasses.replace(get_preset(preset), n_layers=2))
+    assert spec.state_warm_up
+    kw = dict(n_layers=1, batch_size=B, dtype=dtype, ring_rounds=rounds)
+    state = trace_step(spec, make_parallelize(opts), layout, **kw)
+    whole = trace_step(dataclasses.replace(spec, state_warm_up=False), make_parallelize(opts), layout, **kw)
+    assert dataclasses.replace(state, trace_s=0.0) == dataclasses.replace(whole, trace_s=0.0)
+    cold = trace_step(spec, make_parallelize(opts), layout, warm_up=False, **kw)  # a first step differs
+    assert dataclasses.replace(cold, trace_s=0.0) != dataclasses.replace(whole, trace_s=0.0)

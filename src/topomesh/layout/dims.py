@@ -26,6 +26,7 @@ logical position is the placement's business (:mod:`topomesh.layout.place`).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -141,6 +142,10 @@ def merge_degrees(flags: Mapping[str, int], spec: Mapping[str, int], *, unset: i
     return out
 
 
+_AXIS_NAMES: tuple[str, ...] = tuple(a.value for a in Axis)
+_NAMES: dict[Axis, str] = {a: a.value for a in Axis}
+"""Each axis's field name; a plain string equal to one finds it too (an Axis is a str)."""
+
 DEFAULT_ORDER: tuple[Axis, ...] = (
     Axis.TP,
     Axis.CP,
@@ -163,11 +168,19 @@ def parse_order(order: str | Iterable[str | Axis]) -> tuple[Axis, ...]:
     >>> [a.value for a in parse_order("pp-tp")]
     ['pp', 'tp', 'cp', 'ep', 'dp_shard', 'dp_replicate']
     """
+    if type(order) is tuple and all(type(a) is Axis for a in order):
+        return _complete_order(order)  # the common case (layouts built in a search): memoized
     if isinstance(order, str):
         parts = [p for p in order.replace(",", " ").replace("-", " ").split() if p]
     else:
         parts = list(order)
-    axes = [Axis.parse(p) for p in parts]
+    return _complete_order(tuple(Axis.parse(p) for p in parts), tuple(parts))
+
+
+@functools.lru_cache(maxsize=8192)
+def _complete_order(axes: tuple[Axis, ...], parts: Sequence[str | Axis] | None = None) -> tuple[Axis, ...]:
+    if parts is None:
+        parts = axes
     seen: set[Axis] = set()
     for a in axes:
         if a in seen:
@@ -205,10 +218,10 @@ class Layout:
     """Every axis once, fastest-varying first."""
 
     def __post_init__(self) -> None:
-        for axis in Axis:
-            d = getattr(self, axis.value)
-            if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-                raise LayoutError(f"{axis.value} must be a positive integer degree, got {d!r}")
+        for name in _AXIS_NAMES:
+            d = getattr(self, name)
+            if type(d) is not int and (isinstance(d, bool) or not isinstance(d, int)) or d < 1:
+                raise LayoutError(f"{name} must be a positive integer degree, got {d!r}")
         object.__setattr__(self, "order", parse_order(self.order))
 
     @classmethod
@@ -230,7 +243,8 @@ class Layout:
         return cls(**{a.value: d for a, d in merged.items()}, **extra)
 
     def degree(self, axis: Axis | str) -> int:
-        return int(getattr(self, Axis.parse(axis).value))
+        name = _NAMES.get(axis) if isinstance(axis, str) else None
+        return int(getattr(self, name or Axis.parse(axis).value))
 
     @property
     def world_size(self) -> int:

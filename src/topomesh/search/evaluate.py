@@ -148,6 +148,15 @@ def is_stored(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ..
     return cache.stored(*args, **kw)
 
 
+def stored_failure(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> str | None:
+    """Why the class failed to trace before, when the trace cache keeps that (:meth:`TraceCache.failure`)."""
+    from topomesh.sim.simulate import trace_request
+
+    lay = Layout(**{a.value: d for a, d in zip(AXES, degrees, strict=True)})
+    args, kw = trace_request(model, lay, training_for(inputs, model, knobs))
+    return cache.failure(*args, **kw)
+
+
 def trace_one(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> str | None:
     """Trace one class (``None``) or say why it cannot be traced."""
     from topomesh.sim.simulate import trace_layout
@@ -166,12 +175,25 @@ def score_cells(inputs: PlanInputs, cells: Sequence[Cell], exhaustive: bool = Fa
     return [s for cell in cells for s in score_cell(ctx, cell, exhaustive=exhaustive)]
 
 
-@functools.lru_cache(maxsize=1)
+_CONTEXTS: dict[PlanInputs, Context] = {}
+
+
 def _context(inputs: PlanInputs) -> Context:
-    """One context per worker process and inputs: a pool runs several tasks in one process, and
-    building a cluster of many thousand ranks and its placement takes seconds. Its memo only
-    shares exact results (see :class:`~topomesh.sim.simulate.SimMemo`)."""
-    return Context.build(inputs)
+    """One context per process and inputs (the last one kept): a pool runs several tasks in one
+    process, and building a cluster of many thousand ranks and its placement takes seconds. Its
+    memo only shares exact results (see :class:`~topomesh.sim.simulate.SimMemo`)."""
+    ctx = _CONTEXTS.get(inputs)
+    if ctx is None:
+        ctx = Context.build(inputs)
+        use_context(ctx)
+    return ctx
+
+
+def use_context(ctx: Context) -> None:
+    """Make ``ctx`` the context :func:`score_cells` uses in this process for its inputs (the
+    search's own process scores batches too, on the context it already built)."""
+    _CONTEXTS.clear()
+    _CONTEXTS[ctx.inputs] = ctx
 
 
 def score_cells_exhaustive(inputs: PlanInputs, cells: Sequence[Cell]) -> list[Scored]:
@@ -218,9 +240,16 @@ def _simulate(ctx: Context, row: int, layout: Layout, training: Any, members: tu
 
 def with_order(result: StepResult, layout: Layout) -> StepResult:
     """``result`` (of a layout with the same degrees and links) for ``layout``'s order."""
-    shown = {**result.layout, "degrees": {a.value: layout.degree(a) for a in layout.order},
-             "order": layout.order_text()}
+    names, text = _order_names(layout.order)
+    shown = {**result.layout, "degrees": {n: getattr(layout, n) for n in names}, "order": text}
     return dataclasses.replace(result, layout=shown, timeline=None)
+
+
+@functools.lru_cache(maxsize=8192)
+def _order_names(order: tuple[Axis, ...]) -> tuple[tuple[str, ...], str]:
+    """The axis names of an order and its text (``Layout.order_text``), once per order."""
+    names = tuple(a.value for a in order)
+    return names, "-".join(names)
 
 
 def layout_of(degrees: Sequence[int], order: Sequence[Axis]) -> Layout:

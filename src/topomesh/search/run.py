@@ -38,9 +38,20 @@ from topomesh.search.evaluate import (
     with_order,
 )
 from topomesh.search.prune import PruneResult, PruneSetup, prune
-from topomesh.search.space import AXES, COLUMN, Knobs, KnobTable, Space, enumerate_space
+from topomesh.search.space import (
+    AXES,
+    COLUMN,
+    Knobs,
+    KnobTable,
+    Space,
+    enumerate_space,
+    permutations,
+)
 from topomesh.sim.result import StepResult
 from topomesh.sim.simulate import placed_ranks
+
+TRACE_BATCH = 8
+"""Most classes in one tracing task."""
 
 Progress = Callable[[str, int, int], None]
 """``progress(phase, done, total)``; phase is ``"tracing"`` or ``"scoring"``."""
@@ -104,7 +115,7 @@ def search(
     workers: int = 1,
     ray_address: str | None = None,
     progress: Progress | None = None,
-    chunks_per_worker: int = 2,
+    chunks_per_worker: int = 4,
 ) -> Plan:
     """Search every layout of ``inputs``' model on its cluster (see the module docstring)."""
     t0 = time.perf_counter()
@@ -120,13 +131,21 @@ def search(
     slots = (workers if ray_address is None else max(workers, 1)) * chunks_per_worker
 
     errors: dict[tuple, str] = {}
-    from topomesh.search.evaluate import is_stored
+    from topomesh.search.evaluate import is_stored, stored_failure
 
     # reading every stored trace only to find it there would cost more than scoring (scoring
-    # reads the class digests, :mod:`topomesh.sim.digest`): skip those
-    to_trace = [c for c in classes if not is_stored(inputs, ctx.model, ctx.sim.cache, *c)]
+    # reads the class digests, :mod:`topomesh.sim.digest`): skip those, and the classes that
+    # failed to trace before for a reason that would repeat (the cache keeps why)
+    to_trace = []
+    for c in classes:
+        failed = stored_failure(inputs, ctx.model, ctx.sim.cache, *c)
+        if failed is not None:
+            errors[c] = failed
+        elif not is_stored(inputs, ctx.model, ctx.sim.cache, *c):
+            to_trace.append(c)
     if parallel:
-        batches = _split(to_trace, slots)
+        # small batches (a trace takes seconds): no worker idles long while another finishes
+        batches = _split(to_trace, max(slots, math.ceil(len(to_trace) / TRACE_BATCH)))
         done = 0
         for batch, result in _run(trace_classes, inputs, batches, workers, ray_address):
             for cls, err in zip(batch, result, strict=True):
@@ -153,8 +172,12 @@ def search(
         cells, failed_cells = _drop_failed(cells, errors)
         scored.extend(failed_cells)
     if parallel:
+        from topomesh.search.evaluate import use_context
+
+        use_context(ctx)  # this process scores batches too (see _run), on the context it built
         done = 0
-        for batch, result in _run(_score_task(exhaustive), inputs, _split_by_trace(cells, slots), workers, ray_address):
+        for batch, result in _run(_score_task(exhaustive), inputs, _split_by_trace(cells, slots), workers, ray_address,
+                                  here=True):
             scored.extend(result)
             done += len(batch)
             _tell(progress, "scoring", done, len(cells))
@@ -297,20 +320,48 @@ def _score_task(exhaustive: bool) -> Callable[[PlanInputs, list[Cell]], list[Sco
 
 
 def _run(fn: Callable[[PlanInputs, list], list], inputs: PlanInputs, batches: list[list], workers: int,
-         ray_address: str | None) -> Iterator[tuple[list, list]]:
-    """``fn(inputs, batch)`` for every batch, as they finish: Ray tasks or local processes."""
+         ray_address: str | None, *, here: bool = False) -> Iterator[tuple[list, list]]:
+    """``fn(inputs, batch)`` for every batch, as they finish: Ray tasks or local processes.
+
+    ``here``: with local processes, this process is one of the ``workers`` — it runs batches
+    itself between collecting the others' — so only ``workers - 1`` are started (a started
+    worker spends seconds importing torch and building the cluster that this process holds)."""
     if not batches:
         return
     if ray_address is not None:
         yield from _run_ray(fn, inputs, batches, ray_address)
         return
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from collections import deque
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(fn, inputs, b): b for b in batches}
-        for f in as_completed(futures):
-            yield futures[f], f.result()
+    started = workers - 1 if here else workers
+    if started < 1:
+        for b in batches:
+            yield b, fn(inputs, b)
+        return
+    pending = deque(batches)  # heaviest first: the pool takes from the front, this process from the back
+    pool = ProcessPoolExecutor(max_workers=started, mp_context=multiprocessing.get_context("spawn"))
+    running: dict = {}
+    try:
+        while pending or running:
+            while pending and len(running) < (2 * started if here else len(batches)):
+                b = pending.popleft()
+                running[pool.submit(fn, inputs, b)] = b
+            if here and pending:
+                b = pending.pop()
+                yield b, fn(inputs, b)
+                finished = [f for f in running if f.done()]
+            else:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in finished:
+                yield running.pop(f), f.result()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    # every result is in: the workers exit (a second or more, freeing what they built) while
+    # this process ranks the results; the interpreter joins them at exit at the latest
+    pool.shutdown(wait=False)
 
 
 def _run_ray(fn: Callable[[PlanInputs, list], list], inputs: PlanInputs, batches: list[list],
@@ -340,9 +391,11 @@ def _entries(space: Space, scored: list[Scored]) -> tuple[tuple[Entry, ...], dic
             failed[s.error or "unknown"] = failed.get(s.error or "unknown", 0) + len(s.members)
             continue
         base = int(space.offsets[s.row])
-        degrees = space.degrees[s.row]
+        degrees = {a.value: int(d) for a, d in zip(AXES, space.degrees[s.row], strict=True)}
+        used = space.used_axes(s.row)
+        perms = permutations(len(used)).tolist()
         for i, (perm, k) in enumerate(s.members):
-            lay = Layout(**{a.value: int(d) for a, d in zip(AXES, degrees, strict=True)}, order=space.order(s.row, perm))
+            lay = Layout(**degrees, order=tuple(used[j] for j in perms[perm]))
             result = s.result if i == 0 else with_order(s.result, lay)
             out.append(Entry(index=base + perm, knob=k, layout=lay, knobs=knob_rows[k], result=result))
     out.sort(key=rank_key)

@@ -49,15 +49,22 @@ MAX_RECORDS = 1_000_000
 log = logging.getLogger("topomesh")
 
 
+PRICING_CODE = ("sim/price.py", "sim/digest.py", "cost/ops.py", "cost/efficiency.py", "cost/devices.py",
+                "cost/opdb.py", "cost/opcheck.py", "trace/result.py", "trace/graph.py", "cost/data")
+"""The code and data (relative to the ``topomesh`` package) a digest's numbers come from: the
+digest itself, op pricing (roofline, kernel efficiency, device specs, op-table keys) and the
+records and sums it reads."""
+
+
 @functools.cache
 def code_fingerprint() -> str:
-    """sha256 of the code and data that price an op or digest a trace: every ``.py`` and
-    ``.json`` file of ``topomesh.cost``, ``topomesh.sim`` and ``topomesh.trace``."""
+    """sha256 of the files of :data:`PRICING_CODE` (a directory: every file under it)."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for sub in ("cost", "sim", "trace"):
-        for f in sorted((root / sub).rglob("*")):
-            if f.suffix in (".py", ".json") and f.is_file():
+    for name in PRICING_CODE:
+        path = root / name
+        for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if f.is_file() and f.suffix in (".py", ".json"):
                 h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 

@@ -333,7 +333,6 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     interleave = training.interleave if schedule.multi_stage else 1
     stages = stage_count(schedule, pp, interleave) if pp > 1 else 1
     layers = split_layers(model.spec.n_layers, stages)
-    actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
     stage_rank = [0] * stages
     for r in range(pp):
         for s in (rank_stages(schedule, pp, interleave, r) if pp > 1 else [0]):
@@ -367,6 +366,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
                                                                                    memo.ops)))
         priced = priced[1]
         plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
+        actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
         run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True)
     else:
         pricer = Pricer(cluster, link_of, table or {}, memo.ops)
@@ -383,6 +383,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     memory_key = (id(digest), schedule, pp, micro, interleave, model.spec.n_layers)
     memory = memo.memory.get(memory_key)
     if memory is None:  # bytes only: the same on every placement
+        actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
         memory = tuple(_memory(sym_priced, sym_plans, layers, actions[r], r, stage_rank) for r in range(len(actions)))
         memo.memory[memory_key] = (digest, memory)
     else:

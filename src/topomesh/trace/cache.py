@@ -204,6 +204,9 @@ as its own ``sdpa`` module, GPT positions as a buffer; 3: JSON files instead of 
 distinct record stored once, :func:`topomesh.trace.codec.trace_to_json`)."""
 
 FILE_FORMAT = "topomesh-trace"
+FAILURE_FORMAT = "topomesh-trace-failure"
+"""A class that cannot be traced: ``<sha256(key)[:32]>.failed.json.gz`` holds the error (see
+:func:`_repeatable`), so a search does not trace it again to fail again."""
 MAX_FILE_BYTES = 64 * 2**20
 """Largest cache file read (gzip'd)."""
 MAX_JSON_BYTES = 512 * 2**20
@@ -330,20 +333,75 @@ class TraceCache:
                        ring_rounds=ring_rounds)
         trace = self._traces.get(key) or self._load(key)
         if trace is None:
+            failed = self._load_failure(key)
+            if failed is not None:
+                self.hits += 1
+                raise TraceError(failed)
             self.misses += 1
             traced = min(REUSE_LAYERS, spec.n_layers)
-            trace = trace_step(
-                spec, parallelize, dict(layout_class(layout)),
-                n_layers=traced, batch_size=batch_size, dtype=dtype, optimizer=optimizer, ring_rounds=ring_rounds,
-            )
+            try:
+                trace = trace_step(
+                    spec, parallelize, dict(layout_class(layout)),
+                    n_layers=traced, batch_size=batch_size, dtype=dtype, optimizer=optimizer, ring_rounds=ring_rounds,
+                )
+            except TraceError as exc:
+                if _repeatable(exc):
+                    self._store_failure(key, str(exc))
+                raise
             self._store(key, trace)
         else:
             self.hits += 1
         self._traces[key] = trace
         return trace.compose(spec.n_layers) if spec.n_layers > trace.traced_layers else trace
 
+    def failure(
+        self,
+        spec: ModelSpec,
+        parallelize: ParallelizeFn | None,
+        layout: Mapping[str, int],
+        *,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        optimizer: OptimizerFactory | None = default_optimizer,
+    ) -> str | None:
+        """Why ``layout``'s class (as :meth:`get` traces it) failed to trace before, when a
+        stored failure says so (see :func:`_repeatable`); None otherwise."""
+        wanted = shared_class(layout)
+        rounds = (RING_ROUNDS - 1, RING_ROUNDS) if wanted.get(Axis.CP.value, 1) > RING_ROUNDS else (None,)
+        for n in rounds:
+            key = self.key(spec, parallelize, wanted, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
+                           ring_rounds=n)
+            failed = self._load_failure(key)
+            if failed is not None:
+                return failed
+        return None
+
     def __len__(self) -> int:
         return len(self._traces)
+
+    def _failure_path(self, key: str) -> Path | None:
+        path = self._path(key)
+        return None if path is None else path.with_name(path.name.replace(".trace.", ".failed."))
+
+    def _load_failure(self, key: str) -> str | None:
+        path = self._failure_path(key)
+        if path is None:
+            return None
+        try:
+            failed = read_document(path, key, FAILURE_FORMAT, TRACE_FORMAT).get("error")
+            if type(failed) is not str or not failed or len(failed) > codec.MAX_STR * 8:
+                raise TraceError("the error is not a non-empty string of at most 8,000 characters")
+            return failed
+        except FileNotFoundError:
+            return None
+        except (OSError, TraceError) as exc:
+            log.warning("topomesh: ignoring the trace cache file %s (%s); tracing again", path, exc)
+            return None
+
+    def _store_failure(self, key: str, message: str) -> None:
+        path = self._failure_path(key)
+        if path is not None:
+            write_document(path, key, FAILURE_FORMAT, TRACE_FORMAT, {"error": message[: codec.MAX_STR * 8]})
 
     def _path(self, key: str) -> Path | None:
         if self.directory is None:
@@ -366,6 +424,29 @@ class TraceCache:
         path = self._path(key)
         if path is not None:
             write_document(path, key, FILE_FORMAT, TRACE_FORMAT, {"trace": codec.trace_to_json(trace)})
+
+
+_REPEATABLE = (NotImplementedError, ValueError, TypeError, AssertionError, IndexError, RuntimeError)
+
+
+def _repeatable(exc: TraceError) -> bool:
+    """Whether a failure to trace says what the class itself is (stored, not traced again): our
+    own refusals and PyTorch's refusals of the model or layout (an op without a fake or sharding
+    implementation, uneven FSDP sharding, a view of a shape that does not divide). Not stored:
+    anything that can depend on the process (memory, files, interrupted runs) and the fake process
+    group's state left behind between traces (see
+    :func:`topomesh.search.run._retry_isolated`), which fails once and traces alone."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    cause = exc.__cause__
+    if "process group" in str(exc) or isinstance(cause, torch.OutOfMemoryError):
+        return False
+    return cause is None or isinstance(cause, (*_REPEATABLE, DataDependentOutputException, DynamicOutputShapeException,
+                                               UnsupportedOperatorException))
 
 
 def _usable_directory(directory: Path) -> Path | None:
