@@ -29,7 +29,8 @@ def run(label: str, inputs, **kw) -> object:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{label}: space {plan.space.size:,}, pruned {plan.pruning.n_pruned:,}, traced classes "
           f"{plan.traced_classes:,}, evaluated {plan.evaluated:,} ({plan.simulated:,} simulations), feasible "
-          f"{plan.feasible:,}, failed {sum(plan.failed.values()):,}; wall {wall:.1f} s = "
+          f"{plan.feasible:,}, failed {sum(plan.failed.values()):,} (classes that could not be traced "
+          f"{plan.extra.get('trace_errors', 0)}, retried alone {plan.extra.get('trace_retried', 0)}); wall {wall:.1f} s = "
           f"{plan.space.size / wall:,.0f} layouts/s; peak RSS {rss:,.0f} MB; best "
           f"{best.layout.describe() + ' ' + best.layout.order_text() if best else None}"
           f" {best.result.step_time_s * 1e3 if best else float('nan'):.3f} ms", flush=True)

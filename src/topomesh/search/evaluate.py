@@ -139,6 +139,28 @@ def trace_classes(inputs: PlanInputs, classes: Sequence[tuple[tuple[int, ...], K
     return [trace_one(inputs, model, cache, degrees, knobs) for degrees, knobs in classes]
 
 
+def trace_and_digest(inputs: PlanInputs,
+                     items: Sequence[tuple[tuple[tuple[int, ...], Knobs], Sequence[tuple[int, ...]]]]) -> list[str | None]:
+    """Trace each class of ``items`` (``((degrees, knobs), real degree rows)``) into the cache and
+    store the digest of each real row it serves (:mod:`topomesh.sim.digest`) while the trace is
+    in memory, so scoring reads neither; per item ``None`` or the trace error. A real row that
+    cannot be digested is left for scoring, which reports it."""
+    ctx = _context(inputs)
+    out: list[str | None] = []
+    for (degrees, knobs), reals in items:
+        err = trace_one(inputs, ctx.model, ctx.sim.cache, degrees, knobs)
+        out.append(err)
+        if err is not None:
+            continue
+        training = ctx.training(knobs)
+        for real in reals:
+            try:
+                ctx.sim.digest(layout_of(real, AXES), training)
+            except TopomeshError:
+                pass
+    return out
+
+
 def is_stored(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> bool:
     """Whether the trace cache holds what scoring the class reads (see :meth:`TraceCache.stored`)."""
     from topomesh.sim.simulate import trace_request

@@ -7,10 +7,12 @@ so no torch threads are forked) or as Ray tasks on an existing Ray cluster (``ra
 Results are put in a canonical order before ranking, so every way of running gives the
 same plan.
 
-1. **Tracing**: one task item per layout class — (degrees other than ``pp``, micro-batch,
-   recompute); the traces land in the on-disk trace cache (:class:`~topomesh.trace.cache.TraceCache`)
-   where the scoring tasks find them (a task whose cache misses traces again: slower, never
-   different).
+1. **Tracing**: one task item per traced class — (degrees other than ``pp``, ``dp_replicate``
+   above 1 at its shared degree, micro-batch, recompute) — with the layout classes it serves;
+   the trace lands in the on-disk trace cache (:class:`~topomesh.trace.cache.TraceCache`) and
+   the digest of each class it serves next to it (:mod:`topomesh.sim.digest`), made while the
+   trace is in memory, where the scoring tasks find them (a task whose cache misses traces or
+   digests again: slower, never different).
 2. **Scoring**: one item per degree row and its surviving knob rows; the orders share
    results by link signature (:func:`~topomesh.search.evaluate.score_cell`) unless
    ``exhaustive``.
@@ -34,6 +36,7 @@ from topomesh.search.evaluate import (
     PlanInputs,
     Scored,
     score_cells,
+    trace_and_digest,
     trace_classes,
     with_order,
 )
@@ -127,6 +130,10 @@ def search(
     pruning = _prune(ctx, inputs, space)
     cells = _cells(space, pruning)
     classes = list(dict.fromkeys(_trace_class(c.degrees, kn) for c in cells for _, kn in c.knobs))
+    serves: dict[tuple, dict[tuple[int, ...], None]] = {}  # trace class -> the layout classes it serves
+    for c in cells:
+        for _, kn in c.knobs:
+            serves.setdefault(_trace_class(c.degrees, kn), {})[_without_pp(c.degrees)] = None
     parallel = workers > 1 or ray_address is not None
     slots = (workers if ray_address is None else max(workers, 1)) * chunks_per_worker
 
@@ -145,10 +152,11 @@ def search(
             to_trace.append(c)
     if parallel:
         # small batches (a trace takes seconds): no worker idles long while another finishes
-        batches = _split(to_trace, max(slots, math.ceil(len(to_trace) / TRACE_BATCH)))
+        items = [(c, tuple(serves[c])) for c in to_trace]
+        batches = _split(items, max(slots, math.ceil(len(items) / TRACE_BATCH)))
         done = 0
-        for batch, result in _run(trace_classes, inputs, batches, workers, ray_address):
-            for cls, err in zip(batch, result, strict=True):
+        for batch, result in _run(trace_and_digest, inputs, batches, workers, ray_address):
+            for (cls, _), err in zip(batch, result, strict=True):
                 if err is not None:
                     errors[cls] = err
             done += len(batch)
@@ -278,6 +286,14 @@ def _trace_class(degrees: tuple[int, ...], knobs: Knobs) -> tuple[tuple[int, ...
     if out[COLUMN[Axis.DP_REPLICATE]] > 1:
         out[COLUMN[Axis.DP_REPLICATE]] = SHARED_REPLICATE
     return tuple(out), _class_knobs(knobs)
+
+
+def _without_pp(degrees: tuple[int, ...]) -> tuple[int, ...]:
+    from topomesh.layout.dims import Axis
+
+    out = list(degrees)
+    out[COLUMN[Axis.PP]] = 1
+    return tuple(out)
 
 
 def _class_knobs(k: Knobs) -> Knobs:
