@@ -18,6 +18,7 @@ order instead; the two agree exactly (tests/search/test_run.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -154,10 +155,8 @@ def trace_and_digest(inputs: PlanInputs,
             continue
         training = ctx.training(knobs)
         for real in reals:
-            try:
+            with contextlib.suppress(TopomeshError):
                 ctx.sim.digest(layout_of(real, AXES), training)
-            except TopomeshError:
-                pass
     return out
 
 
