@@ -316,15 +316,20 @@ class TraceCache:
     ) -> bool:
         """Whether every trace :meth:`get` reads for ``layout`` is in memory or has a file (not
         opened: a bad file is still found, logged and traced again by :meth:`get`)."""
-        wanted = shared_class(layout)
-        rounds = (RING_ROUNDS - 1, RING_ROUNDS) if wanted.get(Axis.CP.value, 1) > RING_ROUNDS else (None,)
-        for n in rounds:
-            key = self.key(spec, parallelize, wanted, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
-                           ring_rounds=n)
+        for key in self._read_keys(spec, parallelize, layout, batch_size, dtype, optimizer):
             path = self._path(key)
             if key not in self._traces and (path is None or not path.is_file()):
                 return False
         return True
+
+    def _read_keys(self, spec: ModelSpec, parallelize: ParallelizeFn | None, layout: Mapping[str, int],
+                   batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None) -> list[str]:
+        """The keys of the traces :meth:`get` reads for ``layout``: its shared class, as both
+        short rings when its ring is composed."""
+        wanted = shared_class(layout)
+        rounds = (RING_ROUNDS - 1, RING_ROUNDS) if wanted.get(Axis.CP.value, 1) > RING_ROUNDS else (None,)
+        return [self.key(spec, parallelize, wanted, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
+                         ring_rounds=n) for n in rounds]
 
     def _get_exact(self, spec: ModelSpec, parallelize: ParallelizeFn | None, layout: Mapping[str, int],
                    batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None,
@@ -366,11 +371,7 @@ class TraceCache:
     ) -> str | None:
         """Why ``layout``'s class (as :meth:`get` traces it) failed to trace before, when a
         stored failure says so (see :func:`_repeatable`); None otherwise."""
-        wanted = shared_class(layout)
-        rounds = (RING_ROUNDS - 1, RING_ROUNDS) if wanted.get(Axis.CP.value, 1) > RING_ROUNDS else (None,)
-        for n in rounds:
-            key = self.key(spec, parallelize, wanted, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
-                           ring_rounds=n)
+        for key in self._read_keys(spec, parallelize, layout, batch_size, dtype, optimizer):
             failed = self._load_failure(key)
             if failed is not None:
                 return failed
