@@ -210,11 +210,13 @@ def _context(inputs: PlanInputs) -> Context:
     return ctx
 
 
-def use_context(ctx: Context) -> None:
+def use_context(ctx: Context | None) -> None:
     """Make ``ctx`` the context :func:`score_cells` uses in this process for its inputs (the
-    search's own process scores batches too, on the context it already built)."""
+    search's own process scores batches too, on the context it already built); ``None``
+    forgets it (the search is done with it)."""
     _CONTEXTS.clear()
-    _CONTEXTS[ctx.inputs] = ctx
+    if ctx is not None:
+        _CONTEXTS[ctx.inputs] = ctx
 
 
 def score_cells_exhaustive(inputs: PlanInputs, cells: Sequence[Cell]) -> list[Scored]:

@@ -184,11 +184,14 @@ def search(
 
         use_context(ctx)  # this process scores batches too (see _run), on the context it built
         done = 0
-        for batch, result in _run(_score_task(exhaustive), inputs, _split_by_trace(cells, slots), workers, ray_address,
-                                  here=True):
-            scored.extend(result)
-            done += len(batch)
-            _tell(progress, "scoring", done, len(cells))
+        try:
+            for batch, result in _run(_score_task(exhaustive), inputs, _split_by_trace(cells, slots), workers,
+                                      ray_address, here=True):
+                scored.extend(result)
+                done += len(batch)
+                _tell(progress, "scoring", done, len(cells))
+        finally:
+            use_context(None)
     else:
         from topomesh.search.evaluate import score_cell
 
