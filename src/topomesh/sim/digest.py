@@ -16,7 +16,7 @@ parallelization, class, knobs, torch version, trace format) plus :func:`pricing_
 of all of those, so a changed table, device or pricing code digests again (from the stored
 trace: no tracing). Exact: the numbers are the ones :func:`~topomesh.sim.price.digest_class`
 computes, written as JSON (floats round-trip exactly) and read back as strictly as traces
-(:func:`topomesh.trace.cache.read_document`, :mod:`topomesh.trace.codec`); a test compares
+(:func:`topomesh.trace.cache.load_document`, :mod:`topomesh.trace.codec`); a test compares
 results simulated from stored digests with results from the traces, layout by layout.
 
 On disk: ``<sha256(key)[:32]>.digest.json.gz`` in the trace cache directory, mode 0600; a
@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 from topomesh.errors import TraceError
 from topomesh.sim.price import PIECES, ClassDigest, Digest
 from topomesh.trace import codec
-from topomesh.trace.cache import read_document, write_document
+from topomesh.trace.cache import load_document, write_document
 from topomesh.trace.graph import CollectiveRecord
 
 DIGEST_FORMAT = 1
@@ -45,8 +44,6 @@ DIGEST_FORMAT = 1
 FILE_FORMAT = "topomesh-digest"
 MAX_RECORDS = 1_000_000
 """Most distinct collective records in one stored digest."""
-
-log = logging.getLogger("topomesh")
 
 
 PRICING_CODE = ("sim/price.py", "sim/digest.py", "cost/ops.py", "cost/efficiency.py", "cost/devices.py",
@@ -174,17 +171,9 @@ class DigestStore:
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.digest.json.gz"
 
     def _load(self, key: str) -> ClassDigest | None:
-        path = self._path(key)
-        if path is None:
-            return None
-        try:
-            doc = read_document(path, key, FILE_FORMAT, DIGEST_FORMAT)
-            return digest_from_json(doc.get("digest"), "digest")
-        except FileNotFoundError:
-            return None
-        except (OSError, TraceError) as exc:
-            log.warning("topomesh: ignoring the digest cache file %s (%s); digesting the trace again", path, exc)
-            return None
+        return load_document(self._path(key), key, FILE_FORMAT, DIGEST_FORMAT,
+                             lambda doc: digest_from_json(doc.get("digest"), "digest"),
+                             what="digest cache", again="digesting the trace again")
 
     def _store(self, key: str, d: ClassDigest) -> None:
         path = self._path(key)

@@ -35,7 +35,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,6 +52,8 @@ from topomesh.trace.tracer import (
     default_optimizer,
     trace_step,
 )
+
+T = TypeVar("T")
 
 REUSE_LAYERS = 1
 """Blocks in the model actually traced; deeper models are composed from it."""
@@ -385,19 +387,14 @@ class TraceCache:
         return None if path is None else path.with_name(path.name.replace(".trace.", ".failed."))
 
     def _load_failure(self, key: str) -> str | None:
-        path = self._failure_path(key)
-        if path is None:
-            return None
-        try:
-            failed = read_document(path, key, FAILURE_FORMAT, TRACE_FORMAT).get("error")
+        def error_of(doc: dict) -> str:
+            failed = doc.get("error")
             if type(failed) is not str or not failed or len(failed) > codec.MAX_STR * 8:
                 raise TraceError("the error is not a non-empty string of at most 8,000 characters")
             return failed
-        except FileNotFoundError:
-            return None
-        except (OSError, TraceError) as exc:
-            log.warning("topomesh: ignoring the trace cache file %s (%s); tracing again", path, exc)
-            return None
+
+        return load_document(self._failure_path(key), key, FAILURE_FORMAT, TRACE_FORMAT, error_of,
+                             what="trace cache", again="tracing again")
 
     def _store_failure(self, key: str, message: str) -> None:
         path = self._failure_path(key)
@@ -410,16 +407,8 @@ class TraceCache:
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.trace.json.gz"
 
     def _load(self, key: str) -> Trace | None:
-        path = self._path(key)
-        if path is None:
-            return None
-        try:
-            return _read_entry(path, key)
-        except FileNotFoundError:
-            return None
-        except (OSError, TraceError) as exc:
-            log.warning("topomesh: ignoring the trace cache file %s (%s); tracing again", path, exc)
-            return None
+        return load_document(self._path(key), key, FILE_FORMAT, TRACE_FORMAT, _trace_of,
+                             what="trace cache", again="tracing again")
 
     def _store(self, key: str, trace: Trace) -> None:
         path = self._path(key)
@@ -460,11 +449,30 @@ def _usable_directory(directory: Path) -> Path | None:
 
 def _read_entry(path: Path, key: str) -> Trace:
     """The trace stored in ``path`` for ``key``; OSError or TraceError saying why not."""
-    doc = read_document(path, key, FILE_FORMAT, TRACE_FORMAT)
+    return _trace_of(read_document(path, key, FILE_FORMAT, TRACE_FORMAT))
+
+
+def _trace_of(doc: dict) -> Trace:
     try:
         return codec.trace_from_json(doc.get("trace"), "trace")
     except RecursionError:
         raise TraceError("nested too deeply") from None
+
+
+def load_document(path: Path | None, key: str, file_format: str, version: int, decode: Callable[[dict], T], *,
+                  what: str, again: str) -> T | None:
+    """``decode`` of the document :func:`read_document` reads from ``path`` (None: no file, or no
+    directory); a file that cannot be used is logged ("ignoring the ``what`` file ...;
+    ``again``") and None returned, so the caller makes the entry again."""
+    if path is None:
+        return None
+    try:
+        return decode(read_document(path, key, file_format, version))
+    except FileNotFoundError:
+        return None
+    except (OSError, TraceError) as exc:
+        log.warning("topomesh: ignoring the %s file %s (%s); %s", what, path, exc, again)
+        return None
 
 
 def read_document(path: Path, key: str, file_format: str, version: int) -> dict:
