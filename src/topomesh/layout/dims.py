@@ -220,7 +220,7 @@ class Layout:
     def __post_init__(self) -> None:
         for name in _AXIS_NAMES:
             d = getattr(self, name)
-            if type(d) is not int and (isinstance(d, bool) or not isinstance(d, int)) or d < 1:
+            if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise LayoutError(f"{name} must be a positive integer degree, got {d!r}")
         object.__setattr__(self, "order", parse_order(self.order))
 
