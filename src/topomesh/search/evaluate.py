@@ -160,31 +160,21 @@ def trace_and_digest(inputs: PlanInputs,
     return out
 
 
-def is_stored(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> bool:
-    """Whether the trace cache holds what scoring the class reads (see :meth:`TraceCache.stored`)."""
+def stored(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> tuple[bool, str | None]:
+    """Whether the trace cache holds what scoring the class reads (:meth:`TraceCache.stored`),
+    and why the class failed to trace before when the cache keeps that (:meth:`TraceCache.failure`)."""
     from topomesh.sim.simulate import trace_request
 
-    lay = Layout(**{a.value: d for a, d in zip(AXES, degrees, strict=True)})
-    args, kw = trace_request(model, lay, training_for(inputs, model, knobs))
-    return cache.stored(*args, **kw)
-
-
-def stored_failure(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> str | None:
-    """Why the class failed to trace before, when the trace cache keeps that (:meth:`TraceCache.failure`)."""
-    from topomesh.sim.simulate import trace_request
-
-    lay = Layout(**{a.value: d for a, d in zip(AXES, degrees, strict=True)})
-    args, kw = trace_request(model, lay, training_for(inputs, model, knobs))
-    return cache.failure(*args, **kw)
+    args, kw = trace_request(model, layout_of(degrees, AXES), training_for(inputs, model, knobs))
+    return cache.stored(*args, **kw), cache.failure(*args, **kw)
 
 
 def trace_one(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...], knobs: Knobs) -> str | None:
     """Trace one class (``None``) or say why it cannot be traced."""
     from topomesh.sim.simulate import trace_layout
 
-    lay = Layout(**{a.value: d for a, d in zip(AXES, degrees, strict=True)})
     try:
-        trace_layout(model, lay, training_for(inputs, model, knobs), cache)
+        trace_layout(model, layout_of(degrees, AXES), training_for(inputs, model, knobs), cache)
     except TopomeshError as exc:
         return str(exc)
     return None
@@ -249,13 +239,14 @@ def score_cell(ctx: Context, cell: Cell, *, exhaustive: bool = False) -> list[Sc
             signature = tuple(memo_axis_link(ctx.cluster, lay, n, memo) for n in names)
             groups.setdefault(signature, []).append(p)
         for perms in groups.values():
-            out.append(_simulate(ctx, cell.row, layouts[perms[0]], training, tuple((p, k) for p in perms)))
+            out.append(_simulate(ctx, cell.row, layouts[perms[0]], training, tuple((p, k) for p in perms), digest))
     return out
 
 
-def _simulate(ctx: Context, row: int, layout: Layout, training: Any, members: tuple[tuple[int, int], ...]) -> Scored:
+def _simulate(ctx: Context, row: int, layout: Layout, training: Any, members: tuple[tuple[int, int], ...],
+              digest: Any = None) -> Scored:
     try:
-        result = ctx.sim.simulate(layout, training)
+        result = ctx.sim.simulate(layout, training, digest=digest)
     except TopomeshError as exc:
         return Scored(row=row, result=None, members=members, error=str(exc))
     return Scored(row=row, result=result, members=members)

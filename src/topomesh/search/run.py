@@ -138,17 +138,17 @@ def search(
     slots = (workers if ray_address is None else max(workers, 1)) * chunks_per_worker
 
     errors: dict[tuple, str] = {}
-    from topomesh.search.evaluate import is_stored, stored_failure
+    from topomesh.search.evaluate import stored
 
     # reading every stored trace only to find it there would cost more than scoring (scoring
     # reads the class digests, :mod:`topomesh.sim.digest`): skip those, and the classes that
     # failed to trace before for a reason that would repeat (the cache keeps why)
     to_trace = []
     for c in classes:
-        failed = stored_failure(inputs, ctx.model, ctx.sim.cache, *c)
+        have, failed = stored(inputs, ctx.model, ctx.sim.cache, *c)
         if failed is not None:
             errors[c] = failed
-        elif not is_stored(inputs, ctx.model, ctx.sim.cache, *c):
+        elif not have:
             to_trace.append(c)
     if parallel:
         # small batches (a trace takes seconds): no worker idles long while another finishes
@@ -284,14 +284,14 @@ def _trace_class(degrees: tuple[int, ...], knobs: Knobs) -> tuple[tuple[int, ...
     from topomesh.layout.dims import Axis
     from topomesh.trace.cache import SHARED_REPLICATE
 
-    out = list(degrees)
-    out[COLUMN[Axis.PP]] = 1
+    out = list(_without_pp(degrees))
     if out[COLUMN[Axis.DP_REPLICATE]] > 1:
         out[COLUMN[Axis.DP_REPLICATE]] = SHARED_REPLICATE
     return tuple(out), _class_knobs(knobs)
 
 
 def _without_pp(degrees: tuple[int, ...]) -> tuple[int, ...]:
+    """The degrees of a layout class (``pp`` does not change a rank's trace)."""
     from topomesh.layout.dims import Axis
 
     out = list(degrees)

@@ -42,12 +42,12 @@ from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
 from topomesh.sim.schedules import Action, Kind, Schedule, action_order, rank_stages, stage_count
 from topomesh.sim.timeline import chrome_trace
 from topomesh.trace.cache import TraceCache
-
-if TYPE_CHECKING:
-    from topomesh.sim.digest import DigestStore
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord
 from topomesh.trace.result import StateBytes, Trace
 from topomesh.trace.tracer import ModelSpec, ParallelizeFn, default_optimizer
+
+if TYPE_CHECKING:
+    from topomesh.sim.digest import DigestStore
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -182,9 +182,11 @@ class Simulator:
 
         return self._digests.get(key, build)
 
-    def simulate(self, layout: Layout, training: Training, *, record: bool = False) -> StepResult:
+    def simulate(self, layout: Layout, training: Training, *, record: bool = False,
+                 digest: ClassDigest | None = None) -> StepResult:
+        """``digest``: :meth:`digest` of ``layout`` under ``training`` when the caller has it."""
         return simulate(self.model, self.cluster, layout, training, cache=self.cache, table=self.table,
-                        record=record, digest=self.digest(layout, training), memo=self._memo)
+                        record=record, digest=digest or self.digest(layout, training), memo=self._memo)
 
 
 @dataclass(slots=True)
@@ -310,7 +312,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     if digest is None:
         if trace is None:
             trace = trace_layout(model, layout, training, cache)
-        if model.spec.n_layers > trace.traced_layers and trace.n_layers != model.spec.n_layers:
+        if model.spec.n_layers > trace.traced_layers:
             trace = trace.compose(model.spec.n_layers)  # the FLOPs of the whole model
         digest = memo_digest(trace, SymbolicPricer(cluster, table or {}, memo.ops), memo.digests)
     placed: list[Placement] = []  # built on the first link the memo does not hold (it takes milliseconds)
