@@ -105,3 +105,50 @@ def test_run_gives_every_batch_once_and_this_process_takes_a_share(workers: int)
     assert os.getpid() in pids and len(pids) <= workers  # this process is one of the workers
     if workers == 1:
         assert pids == {os.getpid()}
+
+
+def test_a_trace_class_drops_pp_and_shares_replicate_degrees_by_hand() -> None:
+    from topomesh.search.run import _class_knobs, _trace_class, _without_pp
+    from topomesh.search.space import Knobs, Recompute
+    from topomesh.sim.schedules import Schedule
+
+    knobs = Knobs(micro_batch=2, recompute=Recompute.FULL, schedule=Schedule.GPIPE, interleave=1)
+    # AXES order: dp_replicate, dp_shard, cp, tp, pp, ep
+    assert _without_pp((4, 2, 1, 2, 4, 1)) == (4, 2, 1, 2, 1, 1)
+    assert _trace_class((4, 2, 1, 2, 4, 1), knobs) == ((2, 2, 1, 2, 1, 1), _class_knobs(knobs))
+    assert _trace_class((1, 8, 1, 2, 1, 1), knobs)[0] == (1, 8, 1, 2, 1, 1)
+    assert _class_knobs(knobs).micro_batch == 2 and _class_knobs(knobs).schedule is Schedule.ONE_F_ONE_B
+
+
+def test_a_class_that_failed_to_trace_is_reported_again_without_tracing(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    import topomesh.trace.cache as cache_mod
+    from topomesh.errors import TraceError
+
+    real, calls = cache_mod.trace_step, []
+
+    def tp4_fails(spec, parallelize, layout, **kw):  # noqa: ANN001, ANN003, ANN202
+        calls.append(dict(layout))
+        if layout.get("tp") == 4:
+            raise TraceError("Model 'tiny-llama' could not be traced: NotImplementedError: no.") from NotImplementedError()
+        return real(spec, parallelize, layout, **kw)
+
+    monkeypatch.setattr(cache_mod, "trace_step", tp4_fails)
+    cache = tmp_path / "traces"
+    cache.mkdir(mode=0o700)
+    inputs = PlanInputs(model="tiny-llama", cluster="dgx-h100", gpus=16, global_batch=16, cache_dir=str(cache))
+    first = search(inputs, strategies=STRATEGIES, knobs=KNOBS)
+    assert first.extra["trace_errors"] == 2 and sum(first.failed.values()) > 0  # tp=4 with dp_shard=4 and 2
+    calls.clear()
+    import topomesh.search.run as run_mod
+
+    tasks: list[str] = []
+
+    def in_process(fn, inputs, batches, workers, ray_address, here=False):  # noqa: ANN001, ANN202
+        tasks.extend(fn.__name__ for b in batches for _ in b)
+        return ((b, fn(inputs, b)) for b in batches)
+
+    monkeypatch.setattr(run_mod, "_run", in_process)  # --workers 2 without processes
+    again = search(inputs, strategies=STRATEGIES, knobs=KNOBS, workers=2)
+    assert calls == [] and "trace_and_digest" not in tasks  # no tracing task: every class stored or failed
+    assert again.failed == first.failed and again.extra["trace_errors"] == 2
+    assert [e.result.to_dict() for e in again.entries] == [e.result.to_dict() for e in first.entries]
