@@ -27,14 +27,17 @@ from topomesh.trace.tracer import default_optimizer, transformer_spec
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Every trace the cache makes: ``trace_step`` calls, and ``trace_rings`` calls (``rings``)."""
     calls: list[dict] = []
-    real = cache_mod.trace_step
 
-    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        calls.append(dict(layout=args[2], **kwargs))
-        return real(*args, **kwargs)
+    def counting(real, **extra):  # noqa: ANN001, ANN003, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls.append(dict(layout=args[2], **kwargs, **extra))
+            return real(*args, **kwargs)
+        return wrapper
 
-    monkeypatch.setattr(cache_mod, "trace_step", wrapper)
+    monkeypatch.setattr(cache_mod, "trace_step", counting(cache_mod.trace_step))
+    monkeypatch.setattr(cache_mod, "trace_rings", counting(cache_mod.trace_rings, rings=True))
     return calls
 
 
@@ -54,7 +57,12 @@ def fast(monkeypatch: pytest.MonkeyPatch, tiny_trace) -> list[dict]:  # noqa: AN
         calls.append(dict(layout=args[2], **kwargs))
         return tiny_trace
 
+    def fake_rings(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(dict(layout=args[2], **kwargs, rings=True))
+        return tiny_trace, tiny_trace
+
     monkeypatch.setattr(cache_mod, "trace_step", fake)
+    monkeypatch.setattr(cache_mod, "trace_rings", fake_rings)
     return calls
 
 
@@ -307,14 +315,14 @@ def test_regroup_refuses_collectives_whose_bytes_scale_with_the_group(tiny_trace
 
 @pytest.mark.parametrize("layout", [{"cp": 8}, {"cp": 8, "dp_shard": 2}, {"cp": 16, "tp": 2}])
 def test_a_long_ring_is_composed_from_rings_of_three_and_four_rounds_exactly(layout: dict, counted: list[dict]) -> None:
-    """cp above 4: ring attention is traced for 3 and 4 rounds and the middle round repeated;
-    per segment the records (as a multiset), the kept activations and the largest tensor equal a
-    trace of the whole ring."""
+    """cp above 4: one trace of ring attention for 4 rounds gives the rings of 3 and 4 rounds
+    and the middle round is repeated; per segment the records (as a multiset), the kept
+    activations and the largest tensor equal a trace of the whole ring."""
     from topomesh.trace.tracer import trace_step
 
     spec, par = transformer_spec(get_preset("tiny-llama")), make_parallelize()
     composed = TraceCache().get(spec, par, layout)
-    assert sorted(c["ring_rounds"] for c in counted) == [3, 4]
+    assert [(c["ring_rounds"], c.get("rings")) for c in counted] == [(4, True)]
     real = trace_step(spec, par, dict(layout_class(layout)), n_layers=1).compose(spec.n_layers)
     assert composed.layout == real.layout and len(composed.segments) == len(real.segments)
     for a, b in zip(composed.segments, real.segments, strict=True):
@@ -323,6 +331,21 @@ def test_a_long_ring_is_composed_from_rings_of_three_and_four_rounds_exactly(lay
     assert composed.summary() == real.summary()
     sends = [e for e in composed.events() if getattr(e, "mesh_axis", None) == "cp"]
     assert sends and {e.group_size for e in sends} == {layout["cp"]}
+
+
+def test_a_ring_whose_rounds_cannot_be_cut_is_traced_short_by_itself(counted: list[dict],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the round marks do not come out (``round_nodes`` None) the ring of 3 rounds is traced
+    by itself, and the composed trace is the same."""
+    from topomesh.trace import tracer
+
+    spec, par = transformer_spec(get_preset("tiny-llama")), make_parallelize()
+    cut = TraceCache().get(spec, par, {"cp": 8})
+    counted.clear()
+    monkeypatch.setattr(tracer._Markers, "round_nodes", lambda *a: None)
+    whole = TraceCache().get(spec, par, {"cp": 8})
+    assert [(c["ring_rounds"], c.get("rings")) for c in counted] == [(4, True), (3, None)]
+    assert dataclasses.replace(whole, trace_s=0.0) == dataclasses.replace(cut, trace_s=0.0)
 
 
 def test_stored_says_whether_get_would_trace(fast: list[dict], tmp_path) -> None:  # noqa: ANN001

@@ -409,5 +409,55 @@ def test_the_state_warm_up_gives_the_trace_a_whole_step_warm_up_gives(preset, la
     state = trace_step(spec, make_parallelize(opts), layout, **kw)
     whole = trace_step(dataclasses.replace(spec, state_warm_up=False), make_parallelize(opts), layout, **kw)
     assert dataclasses.replace(state, trace_s=0.0) == dataclasses.replace(whole, trace_s=0.0)
+    for a, b in zip(state.segments, whole.segments, strict=True):  # scalar args too (the op-table key)
+        assert [getattr(e, "args", None) for e in a.events] == [getattr(e, "args", None) for e in b.events]
     cold = trace_step(spec, make_parallelize(opts), layout, warm_up=False, **kw)  # a first step differs
     assert dataclasses.replace(cold, trace_s=0.0) != dataclasses.replace(whole, trace_s=0.0)
+
+
+@pytest.mark.parametrize(
+    "preset, layout, opts, dtype",
+    [
+        ("tiny-llama", {"cp": 8}, None, torch.bfloat16),
+        ("tiny-llama", {"dp_shard": 2, "cp": 8, "tp": 2}, MIXED, torch.float32),
+        ("tiny-moe", {"dp_shard": 2, "cp": 8, "ep": 2}, MIXED, torch.float32),
+        ("tiny-gpt", {"dp_replicate": 2, "cp": 16}, None, torch.bfloat16),
+    ],
+)
+def test_one_trace_gives_the_ring_one_round_shorter(preset, layout, opts, dtype) -> None:  # noqa: ANN001
+    """The ring of 3 rounds cut out of a trace of 4 (``trace_rings``) is the trace of 3 rounds,
+    record by record in order with scalar args, kept activations and largest tensor per
+    segment; the ring of 4 is the plain trace of 4."""
+    from topomesh.trace.tracer import trace_rings
+
+    spec = transformer_spec(dataclasses.replace(get_preset(preset), n_layers=2))
+    kw = dict(n_layers=1, batch_size=B, dtype=dtype)
+    short, long = trace_rings(spec, make_parallelize(opts), layout, ring_rounds=4, **kw)
+    three = trace_step(spec, make_parallelize(opts), layout, ring_rounds=3, **kw)
+    four = trace_step(spec, make_parallelize(opts), layout, ring_rounds=4, **kw)
+    assert dataclasses.replace(long, trace_s=0.0) == dataclasses.replace(four, trace_s=0.0)
+    assert short is not None and dataclasses.replace(short, trace_s=0.0) == dataclasses.replace(three, trace_s=0.0)
+    for a, b in zip(short.segments, three.segments, strict=True):
+        assert [(e, getattr(e, "args", None)) for e in a.events] == [(e, getattr(e, "args", None)) for e in b.events]
+        assert a.prefetch == b.prefetch and (a.saved_bytes, a.peak_output_bytes) == (b.saved_bytes, b.peak_output_bytes)
+    assert len(list(short.events())) < len(list(long.events()))  # a round really was cut
+
+
+def test_round_marks_out_of_order_cut_nothing() -> None:
+    """``round_nodes`` gives None, not a wrong cut, when a ring's marks are missing or out of order."""
+    import torch.fx
+
+    from topomesh.trace.tracer import _Markers
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    nodes = [g.call_function(torch.neg, (x,)) for _ in range(4)]
+    gm = torch.fx.GraphModule(nn.Module(), g)
+    ok = _Markers()
+    ok.marks = {nodes[0]: ["round:2"], nodes[2]: ["round:3"]}
+    assert ok.round_nodes(gm, 2) == {nodes[1], nodes[2]}
+    for marks in ({nodes[0]: ["round:2"]}, {nodes[0]: ["round:3"], nodes[2]: ["round:2"]},
+                  {nodes[0]: ["round:2"], nodes[1]: ["round:2"], nodes[2]: ["round:3"]}, {}):
+        bad = _Markers()
+        bad.marks = marks
+        assert bad.round_nodes(gm, 2) is None

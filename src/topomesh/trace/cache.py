@@ -50,6 +50,7 @@ from topomesh.trace.tracer import (
     OptimizerFactory,
     ParallelizeFn,
     default_optimizer,
+    trace_rings,
     trace_step,
 )
 
@@ -345,12 +346,13 @@ class TraceCache:
                 self.hits += 1
                 raise TraceError(failed)
             self.misses += 1
-            traced = min(REUSE_LAYERS, spec.n_layers)
+            kw = dict(n_layers=min(REUSE_LAYERS, spec.n_layers), batch_size=batch_size, dtype=dtype,
+                      optimizer=optimizer)
             try:
-                trace = trace_step(
-                    spec, parallelize, dict(layout_class(layout)),
-                    n_layers=traced, batch_size=batch_size, dtype=dtype, optimizer=optimizer, ring_rounds=ring_rounds,
-                )
+                if ring_rounds == RING_ROUNDS - 1:
+                    trace = self._short_ring(spec, parallelize, layout, kw)
+                else:
+                    trace = trace_step(spec, parallelize, dict(layout_class(layout)), ring_rounds=ring_rounds, **kw)
             except TraceError as exc:
                 if _repeatable(exc):
                     self._store_failure(key, str(exc))
@@ -360,6 +362,24 @@ class TraceCache:
             self.hits += 1
         self._traces[key] = trace
         return trace.compose(spec.n_layers) if spec.n_layers > trace.traced_layers else trace
+
+    def _short_ring(self, spec: ModelSpec, parallelize: ParallelizeFn | None, layout: Mapping[str, int],
+                    kw: dict[str, Any]) -> Trace:
+        """The ring of ``RING_ROUNDS - 1`` rounds; the ring of ``RING_ROUNDS``, which :meth:`get`
+        reads next, comes from the same trace (:func:`~topomesh.trace.tracer.trace_rings`) and is
+        kept and stored under its own key. The short ring is traced by itself only when its
+        rounds cannot be cut out of the long one."""
+        wanted = dict(layout_class(layout))
+        short, long = trace_rings(spec, parallelize, wanted, ring_rounds=RING_ROUNDS, **kw)
+        key = self.key(spec, parallelize, layout, batch_size=kw["batch_size"], dtype=kw["dtype"],
+                       optimizer=kw["optimizer"], ring_rounds=RING_ROUNDS)
+        if key not in self._traces:
+            self._traces[key] = long
+            self._store(key, long)
+        if short is None:
+            log.info("topomesh: the ring rounds of %s could not be cut from one trace; tracing the short ring", wanted)
+            short = trace_step(spec, parallelize, wanted, ring_rounds=RING_ROUNDS - 1, **kw)
+        return short
 
     def failure(
         self,

@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +169,8 @@ def _forget_meshes() -> None:
 
 
 _RING_FUNCTIONS = ("_templated_ring_attention", "_templated_ring_attention_backward")
+ROUND = "round"
+"""The label of a ring-round mark (:meth:`_Markers.watch_rounds`)."""
 
 
 class _RingSize:
@@ -193,22 +196,35 @@ class _RingSize:
 
 
 @contextlib.contextmanager
-def limited_ring(rounds: int) -> Iterator[None]:
+def limited_ring(rounds: int, markers: _Markers | None = None) -> Iterator[None]:
     """Run context-parallel ring attention for ``rounds`` rounds (see :func:`trace_step`).
 
     On rank 0 (the traced rank) round 0 is the causal local block; every later round, with
     PyTorch's round-robin load balancing, attends the second half of the local queries to a
     whole received key/value chunk — the same shapes in every round — and each round but the
     last sends the chunk on. So a ring of ``n`` rounds is the ring of 4 plus ``n - 4`` copies
-    of what the ring of 4 adds to the ring of 3 (:func:`topomesh.trace.cache.compose_rounds`)."""
+    of what the ring of 4 adds to the ring of 3 (:func:`topomesh.trace.cache.compose_rounds`).
+
+    With ``markers``, the start of every later round is marked ``round:<i>`` in the graph
+    (:meth:`_Markers.watch_rounds`), so one trace can also give the ring one round shorter
+    (:func:`trace_rings`)."""
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
-    real = _attention.dist
+    real, real_create = _attention.dist, _attention._create_rotater
+
+    def create(pg: object, seq_dim: int, method: object = None) -> object:
+        rotater = real_create(pg, seq_dim, method)
+        if method is None:  # the ring's key/value rotater (gradients rotate by an explicit method)
+            markers.watch_rounds(rotater)
+        return rotater
+
     _attention.dist = _RingSize(real, rounds)
+    if markers is not None:
+        _attention._create_rotater = create
     try:
         yield
     finally:
-        _attention.dist = real
+        _attention.dist, _attention._create_rotater = real, real_create
 
 
 class _CudaAttentionKernels(torch.overrides.TorchFunctionMode):
@@ -289,6 +305,37 @@ class _Markers:
         block.register_forward_pre_hook(pre, prepend=True)
         block.register_forward_hook(post, prepend=True)
 
+    def watch_rounds(self, rotater: object) -> None:
+        """Mark ``round:<i>`` where ring attention's round ``i`` (1, 2, ...) starts: each later
+        round begins by taking the key/value buffer from ``rotater.next_buffer()``, in forward
+        and in backward alike."""
+        receive = rotater.next_buffer
+        rounds = itertools.count(1)
+
+        def next_buffer() -> torch.Tensor:
+            self.mark(f"{ROUND}:{next(rounds)}")
+            return receive()
+
+        rotater.next_buffer = next_buffer
+
+    def round_nodes(self, gm: torch.fx.GraphModule, cut: int) -> set[torch.fx.Node] | None:
+        """The nodes of round ``cut`` of every ring (from its ``round:<cut>`` mark to its
+        ``round:<cut + 1>`` mark); None unless every ring has both marks, in order."""
+        nodes: set[torch.fx.Node] = set()
+        cutting, rings = False, 0
+        for node in gm.graph.nodes:
+            if cutting:
+                nodes.add(node)
+            for label in self.marks.get(node, ()):
+                what, _, index = label.partition(":")
+                if what != ROUND or int(index) not in (cut, cut + 1):
+                    continue
+                if (int(index) == cut) == cutting:
+                    return None
+                cutting = not cutting
+                rings += not cutting
+        return nodes if rings and not cutting else None
+
 
 def _build(spec: ModelSpec, n_layers: int, dtype: torch.dtype, fake: FakeTensorMode) -> nn.Module:
     previous = torch.get_default_dtype()
@@ -345,6 +392,57 @@ def trace_step(
     the same records, minutes less at shard degrees of thousands); off, it traces as PyTorch
     runs, for the test that compares the two.
     """
+    return _trace(spec, parallelize, layout, n_layers=n_layers, batch_size=batch_size, dtype=dtype,
+                  split_blocks=split_blocks, optimizer=optimizer, warm_up=warm_up, ring_rounds=ring_rounds,
+                  fewer_views=fewer_views)[0]
+
+
+def trace_rings(
+    spec: ModelSpec,
+    parallelize: ParallelizeFn | None,
+    layout: Mapping[str, int],
+    *,
+    ring_rounds: int,
+    n_layers: int | None = None,
+    batch_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    optimizer: OptimizerFactory | None = default_optimizer,
+) -> tuple[Trace | None, Trace]:
+    """The traces of :func:`trace_step` with ``ring_rounds - 1`` and ``ring_rounds`` rounds
+    (``ring_rounds`` ≥ 3, ``cp`` above it), from one trace: the long ring's, and the same graph
+    without its last middle round (round ``ring_rounds - 2``). The short one is None when the
+    round marks do not come out as expected (trace it with :func:`trace_step`).
+
+    Why it is exact: on the traced rank every round after the first has the same shapes, and
+    each but the last sends the key/value buffer on (:func:`limited_ring`); so rounds 0, 1 and
+    the last of the long ring are, op for op, the short ring's rounds, and the rounds between
+    are copies of round 1. What the graph keeps for backward is the attention's inputs and
+    outputs, not a round's tensors. A test compares the short trace with one of the short ring,
+    record by record (scalar arguments included), segment by segment.
+    """
+    if ring_rounds < 3 or dict(layout).get(Axis.CP.value, 1) <= ring_rounds:
+        raise ValueError(f"trace_rings needs ring_rounds >= 3 below the cp degree, not {ring_rounds} for {layout}")
+    long, short = _trace(spec, parallelize, layout, n_layers=n_layers, batch_size=batch_size, dtype=dtype,
+                         optimizer=optimizer, ring_rounds=ring_rounds, cut_round=ring_rounds - 2)
+    return short, long
+
+
+def _trace(
+    spec: ModelSpec,
+    parallelize: ParallelizeFn | None,
+    layout: Mapping[str, int],
+    *,
+    n_layers: int | None,
+    batch_size: int,
+    dtype: torch.dtype,
+    optimizer: OptimizerFactory | None,
+    ring_rounds: int | None,
+    split_blocks: bool = True,
+    warm_up: bool = True,
+    fewer_views: bool = True,
+    cut_round: int | None = None,
+) -> tuple[Trace, Trace | None]:
+    """:func:`trace_step`, and with ``cut_round`` also the trace without that ring round."""
     axes = normalize_layout(layout)
     ring_rounds_n = ring_rounds
     world = math.prod(d for _, d in axes)
@@ -370,7 +468,8 @@ def trace_step(
         cp = dict(axes).get(Axis.CP.value, 1) > 1
         try:
             with (fake, _CudaAttentionKernels() if cp else contextlib.nullcontext(),
-                  limited_ring(ring_rounds_n) if cp and ring_rounds_n else contextlib.nullcontext()):
+                  limited_ring(ring_rounds_n, markers if cut_round else None) if cp and ring_rounds_n
+                  else contextlib.nullcontext()):
                 inputs, labels = spec.make_inputs(batch_size)
                 if cp:
                     inputs, labels = _cp_inputs(spec, mesh, inputs, labels)
@@ -383,22 +482,30 @@ def trace_step(
             raise
         except Exception as exc:
             raise _trace_error(spec, "forward, backward and optimizer step", exc) from exc
-        segments, unknown = _segments(gm, markers, GroupTable(mesh))
+        table = GroupTable(mesh)
+        segments, unknown = _segments(gm, markers, table)
         block_state, first_state, last_state = _state_bytes(model, blocks, optimizers)
-    return Trace(
-        model=spec.name,
-        layout=axes,
-        batch_size=batch_size,
-        dtype=str(dtype).removeprefix("torch."),
-        traced_layers=depth,
-        n_layers=depth,
-        segments=segments,
-        unknown_ops=unknown,
-        block_state=block_state,
-        first_state=first_state,
-        last_state=last_state,
-        trace_s=time.perf_counter() - start,
-    )
+        trace = Trace(
+            model=spec.name,
+            layout=axes,
+            batch_size=batch_size,
+            dtype=str(dtype).removeprefix("torch."),
+            traced_layers=depth,
+            n_layers=depth,
+            segments=segments,
+            unknown_ops=unknown,
+            block_state=block_state,
+            first_state=first_state,
+            last_state=last_state,
+            trace_s=time.perf_counter() - start,
+        )
+        cut = markers.round_nodes(gm, cut_round) if cp and cut_round else None
+        if cut is None:
+            return trace, None
+        start = time.perf_counter()
+        segments, unknown = _segments(gm, markers, table, drop=cut)
+    return trace, dataclasses.replace(trace, segments=segments, unknown_ops=unknown,
+                                      trace_s=time.perf_counter() - start)
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -477,7 +584,7 @@ def _warm_up_state(model: nn.Module, optimizers: list[tuple[int | None, torch.op
     initialization (``_lazy_init`` of the root, as its first forward runs it), every FSDP
     module's unsharded parameters allocated (``unshard`` then ``reshard``: the first all-gather
     allocates them, later ones reuse them) and resharded as backward leaves them, and each
-    optimizer's state made by one step on zero gradients, which are then dropped."""
+    optimizer's state as its first step leaves it (:func:`_first_step_state`)."""
     from torch.distributed.fsdp import FSDPModule
 
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -490,8 +597,24 @@ def _warm_up_state(model: nn.Module, optimizers: list[tuple[int | None, torch.op
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = torch.zeros_like(p)
-        opt.step()
+        _first_step_state(opt)
     model.zero_grad(set_to_none=True)
+
+
+def _first_step_state(opt: torch.optim.Optimizer) -> None:
+    """The state ``opt.step()`` leaves after a first step on zero gradients. Adam and AdamW:
+    their own lazy initialization (``_init_group``: step count, both moments, zeros) and the
+    step count advanced as their step advances it; on fake tensors the update itself changes
+    nothing the trace reads (values), and it was most of the warm-up's time (DTensor dispatch of
+    a dozen ops per parameter). Other optimizers take the step."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+        opt.step()
+        return
+    for group in opt.param_groups:
+        steps: list[torch.Tensor] = []
+        opt._init_group(group, [], [], [], [], [], steps)
+        for step in steps:
+            step += 1
 
 
 def _step_fn(
@@ -523,9 +646,11 @@ def _step_fn(
 
 
 def _segments(
-    gm: torch.fx.GraphModule, markers: _Markers, groups: GroupTable
+    gm: torch.fx.GraphModule, markers: _Markers, groups: GroupTable, drop: Set[torch.fx.Node] = frozenset(),
 ) -> tuple[tuple[Segment, ...], tuple[str, ...]]:
-    """Cut the graph at the markers into segments of (phase, block or rest) and convert nodes."""
+    """Cut the graph at the markers into segments of (phase, block or rest) and convert nodes;
+    the nodes in ``drop`` are left out, as if they had not run (a ring round,
+    :func:`trace_rings`)."""
     phase: Phase = Phase.FORWARD
     layer: int | None = None
     keys: list[tuple[Phase, int | None]] = []
@@ -539,14 +664,15 @@ def _segments(
                 layer = int(index)
             elif what == "end":
                 layer = None if layer == int(index) else layer
-            else:
+            elif what != ROUND:
                 phase, layer = Phase(label), None
 
     apply(markers.marks.get(None, []))
     for node in gm.graph.nodes:
-        if not keys or keys[-1] != (phase, layer):
-            keys.append((phase, layer))
-        where[node] = len(keys) - 1
+        if node not in drop:
+            if not keys or keys[-1] != (phase, layer):
+                keys.append((phase, layer))
+            where[node] = len(keys) - 1
         apply(markers.marks.get(node, []))
 
     records: dict[torch.fx.Node, tuple[OpRecord | CollectiveRecord, ...]] = {}
@@ -602,7 +728,8 @@ def _prefetches(
             results += first if isinstance(first, (list, tuple)) else [first]
         readers = [u for r in results if isinstance(r, torch.fx.Node) for u in r.users]
         readers += [u for r in list(readers) for u in r.users]  # through wait_tensor / getitem
-        blocks = {where[u] for u in readers if keys[where[u]][1] is not None and keys[where[u]][0] is keys[seg][0]}
+        blocks = {where[u] for u in readers
+                  if u in where and keys[where[u]][1] is not None and keys[where[u]][0] is keys[seg][0]}
         if len(blocks) != 1:
             continue
         unit, stack = set(), [node]
@@ -646,7 +773,7 @@ def _liveness(
         peak[seg] = max(peak.get(seg, 0), max(t.untyped_storage().nbytes() for t in vals))
         if keys[seg][0] is not Phase.FORWARD or node not in from_input:
             continue
-        if any(keys[where[u]][0] is Phase.BACKWARD for u in node.users):
+        if any(u in where and keys[where[u]][0] is Phase.BACKWARD for u in node.users):
             for t in vals:
                 st = t.untyped_storage()
                 owner.setdefault(StorageWeakRef(st).cdata, (seg, st.nbytes()))
