@@ -116,8 +116,8 @@ def test_files_are_private_json_and_hold_the_full_key(fast: list[dict], tmp_path
     assert path.name == hashlib.sha256(key.encode()).hexdigest()[:32] + ".trace.json.gz"
     assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
     doc = json.loads(gzip.decompress(path.read_bytes()))
-    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", 4, key)
-    assert key.endswith("|format4")
+    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", 5, key)
+    assert key.endswith("|format5")
     body = doc["trace"]["trace"]
     assert body["layout"] == [["tp", 2]] and body["model"] == trace.model
     # each distinct record once; segments list indices
@@ -181,7 +181,7 @@ def _first_op(doc: dict) -> dict:
         (lambda doc: doc["trace"]["trace"]["segments"][0].update(prefetch="0"), "prefetch: expected a list of record indices"),
         (lambda doc: doc["trace"].update(extra=[]), "expected an object with exactly 'records' and 'trace'"),
         (lambda doc: doc.update(key="someone else's key"), "stored for a different key"),
-        (lambda doc: doc.update(version=3), "not a topomesh-trace file of version 4"),
+        (lambda doc: doc.update(version=4), "not a topomesh-trace file of version 5"),
     ],
 )
 def test_a_tampered_entry_is_ignored_and_replaced(fast, tmp_path, caplog, edit, reason) -> None:  # noqa: ANN001
@@ -388,9 +388,29 @@ def test_a_class_that_cannot_be_traced_is_not_traced_again(monkeypatch, tmp_path
     with pytest.raises(TraceError) as second:
         again.get(spec, par, {"tp": 2})
     assert str(second.value) == str(first.value) and len(calls) == 1
-    (path,) = tmp_path.glob("*.failed.json.gz")
+    (path,) = tmp_path.glob("*.failed2.json.gz")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert TraceCache(tmp_path).failure(spec, par, {"tp": 4}) is None  # another class: not failed
+
+
+def test_refusals_of_an_older_tracer_are_not_read(monkeypatch, tmp_path, tiny_trace) -> None:  # noqa: ANN001
+    """A tracer that learned to trace a class (``FAILURE_VERSION`` raised) traces it again, and a
+    stored trace removes its class's failure file."""
+    _failing(monkeypatch, NotImplementedError("no sharding strategy"))
+    spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
+    with pytest.raises(TraceError):
+        TraceCache(tmp_path).get(spec, par, {"tp": 2})
+    (old,) = tmp_path.glob("*.failed*.json.gz")
+    monkeypatch.setattr(cache_mod, "FAILURE_VERSION", cache_mod.FAILURE_VERSION + 1)
+    monkeypatch.setattr(cache_mod, "trace_step", lambda *a, **k: tiny_trace)
+    cache = TraceCache(tmp_path)
+    assert cache.failure(spec, par, {"tp": 2}) is None and cache.get(spec, par, {"tp": 2}).layout == (("tp", 2),)
+    cache._store_failure(cache.key(spec, par, {"tp": 2}, batch_size=1, dtype=torch.bfloat16,
+                                   optimizer=default_optimizer), "refused")
+    assert len(list(tmp_path.glob("*.failed*.json.gz"))) == 2
+    cache._store(cache.key(spec, par, {"tp": 2}, batch_size=1, dtype=torch.bfloat16, optimizer=default_optimizer),
+                 tiny_trace)
+    assert list(tmp_path.glob("*.failed*.json.gz")) == [old]  # the current one removed, the old one never read
 
 
 @pytest.mark.parametrize("cause", [
@@ -405,7 +425,7 @@ def test_a_failure_that_need_not_repeat_is_not_stored(monkeypatch, tmp_path, cau
     for _ in range(2):
         with pytest.raises(TraceError):
             TraceCache(tmp_path).get(spec, par, {"tp": 2})
-    assert len(calls) == 2 and not list(tmp_path.glob("*.failed.json.gz"))
+    assert len(calls) == 2 and not list(tmp_path.glob("*.failed2.json.gz"))
 
 
 @pytest.mark.parametrize("edit", [
@@ -418,7 +438,7 @@ def test_a_tampered_failure_is_ignored(monkeypatch, tmp_path, caplog, edit) -> N
     spec, par = transformer_spec(get_preset("tiny-gpt")), make_parallelize()
     with pytest.raises(TraceError):
         TraceCache(tmp_path).get(spec, par, {"tp": 2})
-    (path,) = tmp_path.glob("*.failed.json.gz")
+    (path,) = tmp_path.glob("*.failed2.json.gz")
     _tamper(path, edit)
     with caplog.at_level(logging.WARNING, logger="topomesh"), pytest.raises(TraceError):
         TraceCache(tmp_path).get(spec, par, {"tp": 2})

@@ -204,9 +204,11 @@ def test_expert_parallel_all_to_all() -> None:
 
 def test_full_checkpointing_recomputes_forward_and_selective_keeps_matmuls() -> None:
     layout = (("dp_shard", 2),)
-    base = _trace("tiny-gpt", layout, split=False).summary()
-    full = _trace("tiny-gpt", layout, ParallelOptions(checkpointing=Checkpointing.FULL), split=False).summary()
-    sel = _trace("tiny-gpt", layout, ParallelOptions(checkpointing=Checkpointing.SELECTIVE), split=False).summary()
+    base_trace = _trace("tiny-gpt", layout, split=False)
+    full_trace = _trace("tiny-gpt", layout, ParallelOptions(checkpointing=Checkpointing.FULL), split=False)
+    base, full = base_trace.summary(), full_trace.summary()
+    sel_trace = _trace("tiny-gpt", layout, ParallelOptions(checkpointing=Checkpointing.SELECTIVE), split=False)
+    sel = sel_trace.summary()
     cfg = get_preset("tiny-gpt")
     head_fwd = 2 * B * cfg.seq_len * cfg.hidden * cfg.vocab_size
     blocks_fwd = base.flops_by_phase["forward"] - head_fwd
@@ -216,7 +218,12 @@ def test_full_checkpointing_recomputes_forward_and_selective_keeps_matmuls() -> 
     recomputed = blocks_fwd - cfg.n_layers * w2_fwd
     assert full.flops_by_phase["backward"] == base.flops_by_phase["backward"] + recomputed
     assert sel.flops_by_phase["backward"] == base.flops_by_phase["backward"]
-    assert sum(sel.op_counts.values()) > sum(base.op_counts.values())  # pointwise recomputed
+    # selective, as a run applies it: each block's two layer norms and GELU rerun in backward
+    rerun = Counter(e.op for seg in sel_trace.segments if seg.phase is Phase.BACKWARD for e in seg.events
+                    if getattr(e, "op", "") in ("aten.native_layer_norm.default", "aten.gelu.default"))
+    assert rerun == {"aten.native_layer_norm.default": 2 * cfg.n_layers, "aten.gelu.default": cfg.n_layers}
+    kept = [sum(seg.saved_bytes for seg in t.segments) for t in (full_trace, sel_trace, base_trace)]
+    assert kept[0] < kept[1] < kept[2]  # full keeps the least, selective some, none the most
 
 
 def test_optimizer_updates_every_local_parameter_once() -> None:
@@ -461,3 +468,18 @@ def test_round_marks_out_of_order_cut_nothing() -> None:
         bad = _Markers()
         bad.marks = marks
         assert bad.round_nodes(gm, 2) is None
+
+
+@pytest.mark.parametrize("mode, recomputed", [(Checkpointing.FULL, 3), (Checkpointing.SELECTIVE, 0)])
+def test_context_parallel_traces_under_activation_checkpointing(mode: Checkpointing, recomputed: int) -> None:
+    """Checkpointing recomputes the forward inside backward, where the tracer's attention mode
+    is off: the recomputed attention is still the CUDA flash kernel ring attention runs on, so
+    full recompute repeats the 3-round ring's 3 attention calls in backward, and selective
+    (attention outputs saved) repeats none; the module attribute is restored afterwards."""
+    spec = transformer_spec(dataclasses.replace(get_preset("tiny-llama"), n_layers=2))
+    t = trace_step(spec, make_parallelize(ParallelOptions(checkpointing=mode)), {"cp": 8, "dp_shard": 2},
+                   n_layers=1, batch_size=B, ring_rounds=3)
+    flash = Counter(s.phase for s in t.segments for e in s.events
+                    if getattr(e, "op", "") == "aten._scaled_dot_product_flash_attention.default")
+    assert flash == Counter({Phase.FORWARD: 3, Phase.BACKWARD: recomputed}) - Counter()
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention

@@ -200,16 +200,21 @@ def callable_key(fn: Callable | None) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-TRACE_FORMAT = 4
+TRACE_FORMAT = 5
 """Part of every cache key and file; raised when the tracer or the built-in models change what a
 trace holds, so traces stored by an older topomesh are not reused (2: context parallel, attention
 as its own ``sdpa`` module, GPT positions as a buffer; 3: JSON files instead of pickle; 4: each
-distinct record stored once, :func:`topomesh.trace.codec.trace_to_json`)."""
+distinct record stored once, :func:`topomesh.trace.codec.trace_to_json`; 5: selective activation
+checkpointing recomputes in backward what its policy does not save, as a run does)."""
 
 FILE_FORMAT = "topomesh-trace"
 FAILURE_FORMAT = "topomesh-trace-failure"
-"""A class that cannot be traced: ``<sha256(key)[:32]>.failed.json.gz`` holds the error (see
-:func:`_repeatable`), so a search does not trace it again to fail again."""
+"""A class that cannot be traced: ``<sha256(key)[:32]>.failed<FAILURE_VERSION>.json.gz`` holds
+the error (see :func:`_repeatable`), so a search does not trace it again to fail again."""
+FAILURE_VERSION = 2
+"""Part of a failure file's name and document; raised when the tracer learns to trace what it
+refused before, so the old refusals are not read (2: context parallel under activation
+checkpointing). A successful trace removes its class's failure file."""
 MAX_FILE_BYTES = 64 * 2**20
 """Largest cache file read (gzip'd)."""
 MAX_JSON_BYTES = 512 * 2**20
@@ -404,7 +409,7 @@ class TraceCache:
 
     def _failure_path(self, key: str) -> Path | None:
         path = self._path(key)
-        return None if path is None else path.with_name(path.name.replace(".trace.", ".failed."))
+        return None if path is None else path.with_name(path.name.replace(".trace.", f".failed{FAILURE_VERSION}."))
 
     def _load_failure(self, key: str) -> str | None:
         def error_of(doc: dict) -> str:
@@ -413,13 +418,13 @@ class TraceCache:
                 raise TraceError("the error is not a non-empty string of at most 8,000 characters")
             return failed
 
-        return load_document(self._failure_path(key), key, FAILURE_FORMAT, TRACE_FORMAT, error_of,
+        return load_document(self._failure_path(key), key, FAILURE_FORMAT, FAILURE_VERSION, error_of,
                              what="trace cache", again="tracing again")
 
     def _store_failure(self, key: str, message: str) -> None:
         path = self._failure_path(key)
         if path is not None:
-            write_document(path, key, FAILURE_FORMAT, TRACE_FORMAT, {"error": message[: codec.MAX_STR * 8]})
+            write_document(path, key, FAILURE_FORMAT, FAILURE_VERSION, {"error": message[: codec.MAX_STR * 8]})
 
     def _path(self, key: str) -> Path | None:
         if self.directory is None:
@@ -434,6 +439,7 @@ class TraceCache:
         path = self._path(key)
         if path is not None:
             write_document(path, key, FILE_FORMAT, TRACE_FORMAT, {"trace": codec.trace_to_json(trace)})
+            self._failure_path(key).unlink(missing_ok=True)
 
 
 _REPEATABLE = (NotImplementedError, ValueError, TypeError, AssertionError, IndexError, RuntimeError)

@@ -227,23 +227,64 @@ def limited_ring(rounds: int, markers: _Markers | None = None) -> Iterator[None]
         _attention.dist, _attention._create_rotater = real, real_create
 
 
+@contextlib.contextmanager
+def _eager_checkpoint_policies() -> Iterator[None]:
+    """Selective activation checkpointing as a run applies it: ops its policy does not save are
+    recomputed in backward. Under ``make_fx`` PyTorch's selective checkpointing takes itself to
+    be compiling (a proxy mode is on), saves every op's output and leaves the choice to a
+    compiler's partitioner, which a trace does not run; its traced backward recomputed nothing."""
+    from torch.utils import checkpoint
+
+    real = getattr(checkpoint, "_is_compiling", None)
+    if real is None:
+        yield
+        return
+    checkpoint._is_compiling = lambda *_: False
+    try:
+        yield
+    finally:
+        checkpoint._is_compiling = real
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object, **kwargs: object) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, issued as the CUDA flash kernel when causal or plain
+    on CPU tensors (see :class:`_CudaAttentionKernels`)."""
+    bound = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest, strict=False), **kwargs)
+    plain = bound.get("attn_mask") is None and not bound.get("dropout_p") and not bound.get("enable_gqa")
+    if plain and q.device.type == "cpu":
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, bool(bound.get("is_causal", False)), scale=bound.get("scale")
+        )
+        return out[0]
+    return _SDPA(q, k, v, *rest, **kwargs)
+
+
 class _CudaAttentionKernels(torch.overrides.TorchFunctionMode):
     """Issue causal/plain ``F.scaled_dot_product_attention`` on CPU tensors as the CUDA flash
     kernel, ``aten._scaled_dot_product_flash_attention``, so PyTorch's context-parallel rules
     (written for the CUDA kernels) apply in a CPU trace. Calls with a mask, dropout, GQA or
-    CUDA tensors pass through unchanged."""
+    CUDA tensors pass through unchanged.
+
+    Calls that look the function up in ``torch.nn.functional`` get :func:`_flash_sdpa` while the
+    mode is on; the mode catches the others. Both are needed: a mode is off while its own
+    handler runs a call, so inside ``backward`` (where activation checkpointing recomputes the
+    forward) only the module attribute still answers."""
+
+    def __enter__(self) -> _CudaAttentionKernels:
+        F.scaled_dot_product_attention = _flash_sdpa
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        F.scaled_dot_product_attention = _SDPA
+        super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q, k, v, *rest = args
-            bound = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest, strict=False), **kwargs)
-            plain = bound.get("attn_mask") is None and not bound.get("dropout_p") and not bound.get("enable_gqa")
-            if plain and q.device.type == "cpu":
-                out = torch.ops.aten._scaled_dot_product_flash_attention(
-                    q, k, v, 0.0, bool(bound.get("is_causal", False)), scale=bound.get("scale")
-                )
-                return out[0]
+        if func is _SDPA:
+            return _flash_sdpa(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -477,7 +518,8 @@ def _trace(
                     _warm_up_state(model, optimizers)
                 elif warm_up:
                     _warm_up(step, model, inputs, labels)
-                gm = make_fx(step)(inputs, labels)
+                with _eager_checkpoint_policies():
+                    gm = make_fx(step)(inputs, labels)
         except TopomeshError:
             raise
         except Exception as exc:
