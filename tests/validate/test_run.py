@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,9 +66,11 @@ def test_layout_result_takes_the_median_and_the_largest_rank():
         step_time_s, peak_memory_bytes, breakdown = 0.13, 1000, _B()
 
     rec = {"step_s": [0.2, 0.1, 0.5, 0.12, 0.11], "cpu_s": [0.1, 0.09, 0.3, 0.1, 0.08], "peak_bytes": [900, 1250],
-           "world_size": 2, "microbatches": 2, "loadavg_before": [1.5, 1, 1], "loadavg_after": [2.5, 1, 1]}
+           "world_size": 2, "microbatches": 2, "loadavg_before": [1.5, 1, 1], "loadavg_after": [2.5, 1, 1],
+           "page_faults": [7, 0, 900, 3, 5]}
     r = layout_result("dp_shard=2", _P(), rec)
     assert (r.measured_s, r.measured_cpu_s, r.measured_peak_bytes) == (0.12, 0.1, 1250)
+    assert r.page_faults == 5 and r.to_dict()["page_faults"] == 5
     assert r.error == pytest.approx((0.13 - 0.12) / 0.12) and r.memory_error == pytest.approx(-250 / 1250)
     assert r.loadavg == (1.5, 2.5)
 
@@ -99,3 +102,27 @@ def test_pipeline_stages_compose_to_the_whole_model():
     hidden = first(tokens)
     assert hidden.shape == (2, cfg.seq_len, cfg.hidden)
     torch.testing.assert_close(last(hidden), full(tokens))
+
+
+def test_real_runs_keep_freed_memory_for_the_next_step(monkeypatch, tmp_path):
+    """The worker processes get glibc settings that reuse freed memory (no page faults per step)
+    and one thread per library."""
+    import subprocess
+
+    from topomesh.layout.api import resolve_layout
+    from topomesh.sim.simulate import Training
+    from topomesh.validate import run as vrun
+
+    seen = {}
+
+    def fake_run(cmd, env, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.update(env)
+        out = cmd[cmd.index("--out") + 1]
+        Path(out).write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(vrun.subprocess, "run", fake_run)
+    vrun.measure("tiny-llama", None, resolve_layout({"dp_shard": 2}, 2), Training(global_batch=4), steps=1, warmup=2,
+                 threads=1)
+    assert seen["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20) and int(seen["MALLOC_TRIM_THRESHOLD_"]) >= 2**32
+    assert seen["OMP_NUM_THREADS"] == "1"

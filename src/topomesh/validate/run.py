@@ -39,6 +39,15 @@ pipeline (several micro-batches: the global batch over one data-parallel rank), 
 on four ranks."""
 
 
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+"""glibc malloc settings for the real runs: every block up to 32 MiB (glibc's largest mmap
+threshold on 64-bit) from the heap, and the heap never trimmed, so memory freed in one step is
+reused in the next, as PyTorch's caching allocator keeps it on a GPU. With glibc's defaults
+a one-process step of ``benchmarks/validate_llama.json`` took 5,600–12,800 page faults
+(8–32 ms of system time, varying from step to step) that no op time or model includes; with
+these, none. The op table's repeats already reuse their memory."""
+
+
 class ValidateError(TopomeshError, RuntimeError):
     """A real run of a layout failed or produced no measurement."""
 
@@ -53,6 +62,8 @@ class LayoutResult:
     predicted_peak_bytes: int
     measured_peak_bytes: int
     measured_cpu_s: float = 0.0
+    page_faults: int = 0
+    """Median over the timed steps of the most minor page faults a rank took in the step."""
     """Median over the timed steps of the largest rank's CPU time (s): the step's cost apart
     from waiting for a core, for reading measurements taken on a machine others load."""
     steps_s: tuple[float, ...] = ()
@@ -77,7 +88,7 @@ class LayoutResult:
             "layout": self.layout, "world_size": self.world_size, "microbatches": self.microbatches,
             "predicted_s": self.predicted_s, "measured_s": self.measured_s, "error": self.error,
             "predicted_peak_bytes": self.predicted_peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
-            "memory_error": self.memory_error, "measured_cpu_s": self.measured_cpu_s,
+            "memory_error": self.memory_error, "measured_cpu_s": self.measured_cpu_s, "page_faults": self.page_faults,
             "cpu_error": (self.predicted_s - self.measured_cpu_s) / self.measured_cpu_s if self.measured_cpu_s else None,
             "steps_s": list(self.steps_s), "loadavg": list(self.loadavg),
             "breakdown": self.breakdown,
@@ -165,7 +176,7 @@ def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, step
     with tempfile.TemporaryDirectory(prefix="topomesh-validate-") as tmp:
         spec_file, out_file, logs = Path(tmp) / "spec.json", Path(tmp) / "out.json", Path(tmp) / "logs"
         spec_file.write_text(json.dumps(spec))
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **STEADY_MALLOC}
         cmd = [sys.executable, "-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
                "--log-dir", str(logs), "--topology", "off", "-m", "topomesh.validate.worker",
                "--spec", str(spec_file), "--out", str(out_file)]
@@ -193,7 +204,8 @@ def layout_result(spec_text: str, prediction: Any, record: dict[str, Any]) -> La
     return LayoutResult(
         layout=spec_text, predicted_s=prediction.step_time_s, measured_s=statistics.median(steps),
         predicted_peak_bytes=int(prediction.peak_memory_bytes), measured_peak_bytes=max(record["peak_bytes"]),
-        measured_cpu_s=statistics.median(record.get("cpu_s") or [0.0]), steps_s=steps, world_size=int(record["world_size"]), microbatches=int(record["microbatches"]),
+        measured_cpu_s=statistics.median(record.get("cpu_s") or [0.0]),
+        page_faults=int(statistics.median(record.get("page_faults") or [0])), steps_s=steps, world_size=int(record["world_size"]), microbatches=int(record["microbatches"]),
         loadavg=load,
         breakdown={"compute_s": b.compute_s, "exposed_comm_s": dict(b.exposed_comm_s), "bubble_s": b.bubble_s,
                    "optimizer_s": b.optimizer_s, "p2p_s": b.p2p_s},

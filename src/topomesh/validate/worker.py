@@ -25,8 +25,9 @@ the start of the process so parameters and optimizer state are in it. Then ``ste
 steps, each started after a barrier and timed on every rank; a step's time is the slowest
 rank's (all-reduce MAX), wall clock, and so is its CPU time (``time.process_time``: every
 thread of the process, gloo's included) — on a machine others load, the CPU time shows
-what the step cost apart from waiting for a core. Rank 0 writes the times, the peaks of every rank, the load
-average before and after, and the thread count.
+what the step cost apart from waiting for a core — and the most minor page faults a rank took
+in it (:data:`topomesh.validate.run.STEADY_MALLOC` keeps them near zero). Rank 0 writes the
+times, the peaks of every rank, the load average before and after, and the thread count.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Iterable
@@ -192,14 +194,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     del prof, events, mem
     times: list[float] = []
     cpu: list[float] = []
+    faults: list[int] = []
     for _ in range(int(spec["steps"])):
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         one_step()
-        dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+        f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0, f1 - f0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         times.append(float(dt[0]))
         cpu.append(float(dt[1]))
+        faults.append(int(dt[2]))
     peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, torch.tensor([peak], dtype=torch.int64))
     out = {
@@ -208,6 +213,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         "threads": threads,
         "step_s": times,
         "cpu_s": cpu,
+        "page_faults": faults,
         "peak_bytes": [int(p.item()) for p in peaks],
         "microbatches": micro,
         "loadavg_before": load_before,
