@@ -125,3 +125,14 @@ def test_a_digest_file_that_is_a_symlink_is_not_followed(model, cluster, tmp_pat
         again = Simulator(model=model, cluster=cluster, cache=TraceCache(tmp_path))
         assert again.simulate(lay, t).to_dict() == first
     assert "ignoring the digest cache file" in caplog.text and again._digests.hits == 0
+
+
+def test_the_pricing_fingerprint_names_every_host_cost(cluster) -> None:  # noqa: ANN001
+    """A digest priced with other DTensor host costs or core sharing is not reused."""
+    import dataclasses
+
+    from topomesh.sim.digest import pricing_fingerprint
+
+    base = pricing_fingerprint(cluster, {})
+    for change in (dict(dtensor_dispatch_s=1e-5), dict(dtensor_collective_s=1e-4), dict(collectives_share_compute=True)):
+        assert pricing_fingerprint(dataclasses.replace(cluster, **change), {}) != base, change

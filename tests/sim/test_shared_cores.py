@@ -85,7 +85,30 @@ def test_dtensor_dispatch_is_paid_per_op_where_tensors_are_dtensors(model, degre
     assert b.breakdown.optimizer_s - a.breakdown.optimizer_s == pytest.approx(1e-3 * opt, rel=1e-9)
 
 
-def test_dtensor_dispatch_measured_once_and_cached(tmp_path, monkeypatch):
+@pytest.mark.parametrize("degrees", [{"tp": 2}, {"dp_shard": 2}])
+def test_collectives_dtensor_issues_pay_host_time(model, degrees):
+    """Each ``_c10d_functional`` collective of the trace (TP's, issued by DTensor) adds
+    ``dtensor_collective_s`` to the step's compute; FSDP2's plain c10d collectives add nothing."""
+    gpu = load_cluster("dgx-h100", gpus=2)
+    layout, training = Layout(**degrees), Training(global_batch=2 if "dp_shard" in degrees else 1)
+    a = Simulator(model=model, cluster=gpu).simulate(layout, training)
+    sim = Simulator(model=model, cluster=dataclasses.replace(gpu, dtensor_collective_s=1e-3))
+    b = sim.simulate(layout, training)
+    trace = sim.trace(layout, training)
+    full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+    issued = sum(1 for e in full.events() if isinstance(e, CollectiveRecord) and e.group_size > 1
+                 and e.op.startswith("_c10d_functional."))
+    assert (issued > 0) == ("tp" in degrees)
+    assert (b.breakdown.compute_s + b.breakdown.optimizer_s) - (a.breakdown.compute_s + a.breakdown.optimizer_s) \
+        == pytest.approx(1e-3 * issued, abs=1e-9)
+    assert b.breakdown.exposed_comm_s == pytest.approx(a.breakdown.exposed_comm_s, rel=1e-9)  # transfers as before
+
+
+@pytest.mark.parametrize("name, measure, low, high", [
+    ("dtensor_dispatch_s", "measure_dtensor_dispatch_s", 1e-6, 1e-3),  # an op's Python dispatch: microseconds
+    ("dtensor_collective_s", "measure_dtensor_collective_s", 5e-6, 5e-3),  # a redistribution's host work
+])
+def test_dtensor_host_costs_measured_once_and_cached(tmp_path, monkeypatch, name, measure, low, high):
     import torch
 
     from topomesh.cost import dispatch
@@ -94,11 +117,10 @@ def test_dtensor_dispatch_measured_once_and_cached(tmp_path, monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        first = dispatch.dtensor_dispatch_s(directory=tmp_path)
-        # a DTensor op's Python dispatch: microseconds, far from a millisecond, never free
-        assert 1e-6 < first < 1e-3
-        monkeypatch.setattr(dispatch, "measure_dtensor_dispatch_s", lambda **_: pytest.fail("not cached"))
-        assert dispatch.dtensor_dispatch_s(directory=tmp_path) == first
+        first = getattr(dispatch, name)(directory=tmp_path)
+        assert low < first < high  # never free, far from a step
+        monkeypatch.setattr(dispatch, measure, lambda **_: pytest.fail("not cached"))
+        assert getattr(dispatch, name)(directory=tmp_path) == first
     finally:
         torch.set_num_threads(before)
 

@@ -109,6 +109,10 @@ class Cluster:
     """Host seconds DTensor's dispatch adds to each op run on DTensors, on the computing
     thread (:mod:`topomesh.cost.dispatch`, measured for ``local``); 0 for GPU presets, whose
     host issues kernels ahead of the device."""
+    dtensor_collective_s: float = 0.0
+    """Host seconds each collective DTensor issues (a ``_c10d_functional`` record) costs on the
+    computing thread besides its transfer (:func:`topomesh.cost.dispatch.measure_dtensor_collective_s`,
+    measured for ``local``); 0 for GPU presets, as :attr:`dtensor_dispatch_s`."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
@@ -301,7 +305,8 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     The processes share this host's cores (``os.sched_getaffinity``), each running torch's
     current thread count (the op table and the CPU spec are keyed by it), gloo's
     collectives run on those cores (:attr:`Cluster.collectives_share_compute`), and an op on
-    DTensors pays DTensor's dispatch on the computing thread (:attr:`Cluster.dtensor_dispatch_s`)."""
+    DTensors pays DTensor's dispatch on the computing thread (:attr:`Cluster.dtensor_dispatch_s`), and
+    a collective DTensor issues its host work there too (:attr:`Cluster.dtensor_collective_s`)."""
     prof, path = local_profile(directory)
     measured = prof.meta.get("world_size")
     n = gpus if gpus is not None else (measured if isinstance(measured, int) and measured > 0 else 2)
@@ -310,14 +315,15 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
 
     import torch
 
-    from topomesh.cost.dispatch import dtensor_dispatch_s
+    from topomesh.cost.dispatch import dtensor_collective_s, dtensor_dispatch_s
 
     host = Host(hostname=socket.gethostname())
     topo = build_topology([host], default_placement([host], [n]), source="local")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
-                   collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory))
+                   collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory),
+                   dtensor_collective_s=dtensor_collective_s(directory=directory))
 
 
 # ------------------------------------------------------------------ topology files

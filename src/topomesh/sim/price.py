@@ -48,6 +48,9 @@ class Stream(StrEnum):
 
 
 _DP_AXES = (Axis.DP_SHARD.value, Axis.DP_REPLICATE.value)
+FUNCTIONAL = "_c10d_functional."
+"""The op prefix of collectives DTensor (and expert parallel's all-to-all) issue; FSDP2's are
+plain ``c10d.`` ops. Each pays :attr:`Cluster.dtensor_collective_s` on the computing thread."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +190,8 @@ class Pricer:
                     if matmul_grad:
                         weight += s / 2
                 elif e.group_size > 1:
+                    if self.cluster.dtensor_collective_s and e.op.startswith(FUNCTIONAL):
+                        compute += self.cluster.dtensor_collective_s * self.cluster.core_share  # issued by DTensor
                     if is_param_collective(e) and e.kind is not CollectiveKind.ALL_GATHER and e.phase is not Phase.OPTIMIZER:
                         reduced += e.bytes
                     if shared:
