@@ -429,6 +429,9 @@ def test_the_state_warm_up_gives_the_trace_a_whole_step_warm_up_gives(preset, la
         ("tiny-llama", {"dp_shard": 2, "cp": 8, "tp": 2}, MIXED, torch.float32),
         ("tiny-moe", {"dp_shard": 2, "cp": 8, "ep": 2}, MIXED, torch.float32),
         ("tiny-gpt", {"dp_replicate": 2, "cp": 16}, None, torch.bfloat16),
+        # recompute: the forward ring rerun inside backward is cut as well
+        ("tiny-llama", {"cp": 8, "dp_shard": 2}, ParallelOptions(checkpointing=Checkpointing.FULL), torch.bfloat16),
+        ("tiny-llama", {"cp": 8, "dp_shard": 2}, ParallelOptions(checkpointing=Checkpointing.SELECTIVE), torch.bfloat16),
     ],
 )
 def test_one_trace_gives_the_ring_one_round_shorter(preset, layout, opts, dtype) -> None:  # noqa: ANN001
