@@ -41,13 +41,15 @@ def test_sweep_config_is_bounded_and_deterministic():
 @pytest.mark.slow
 def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_path):
     out = tmp_path / "profile.json"
-    result = spawn_local(2, ["--min-bytes", "4096", "--max-bytes", str(1024 * 1024), "--factor", "2",
+    # 16 KiB .. 4 MiB: a loaded CI runner's noise once hid the growth of all-reduce up to 1 MiB
+    # ("measured times do not grow with size ... widen the size sweep")
+    result = spawn_local(2, ["--min-bytes", str(16 * 1024), "--max-bytes", str(4 * 1024 * 1024), "--factor", "2",
                              "--collectives", "all_reduce,all_gather,send_recv", "--max-repeats", "8",
                              "--output", str(out), "--no-progress"], timeout_s=120)
     assert result["profile"] == str(out) and not result["skipped"]
     prof = load_profile(out)
     assert prof.backend == "gloo" and prof.cluster_fingerprint == result["cluster_fingerprint"]
-    assert len(prof.meta["samples"]) == 3 * 9  # 3 collectives x 9 sizes (4 KiB .. 1 MiB)
+    assert len(prof.meta["samples"]) == 3 * 9  # 3 collectives x 9 sizes (16 KiB .. 4 MiB)
     for kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.SEND_RECV):
         model = prof.model(kind, LinkKind.SHM)
         assert model.fit is not None
@@ -55,7 +57,7 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
         assert 0 <= model.fit.mean_rel <= model.fit.max_rel
         assert all(t.busbw_GBps and t.busbw_GBps > 0 for t in model.terms)
         small, large = (collective_time_s(CollectiveRecord(kind=kind, bytes=b, group_size=2), LinkKind.SHM, prof)
-                        for b in (4096, 2**20))
+                        for b in (2**14, 2**22))
         assert 0 < small < large
 
 
