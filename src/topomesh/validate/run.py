@@ -62,10 +62,10 @@ class LayoutResult:
     predicted_peak_bytes: int
     measured_peak_bytes: int
     measured_cpu_s: float = 0.0
-    page_faults: int = 0
-    """Median over the timed steps of the most minor page faults a rank took in the step."""
     """Median over the timed steps of the largest rank's CPU time (s): the step's cost apart
     from waiting for a core, for reading measurements taken on a machine others load."""
+    page_faults: int = 0
+    """Median over the timed steps of the most minor page faults a rank took in the step."""
     steps_s: tuple[float, ...] = ()
     """Every timed step (s), slowest rank's."""
     world_size: int = 1
