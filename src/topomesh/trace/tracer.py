@@ -485,7 +485,6 @@ def _trace(
 ) -> tuple[Trace, Trace | None]:
     """:func:`trace_step`, and with ``cut_round`` also the trace without that ring round."""
     axes = normalize_layout(layout)
-    ring_rounds_n = ring_rounds
     world = math.prod(d for _, d in axes)
     depth = spec.n_layers if n_layers is None else n_layers
     start = time.perf_counter()
@@ -509,7 +508,7 @@ def _trace(
         cp = dict(axes).get(Axis.CP.value, 1) > 1
         try:
             with (fake, _CudaAttentionKernels() if cp else contextlib.nullcontext(),
-                  limited_ring(ring_rounds_n, markers if cut_round else None) if cp and ring_rounds_n
+                  limited_ring(ring_rounds, markers if cut_round else None) if cp and ring_rounds
                   else contextlib.nullcontext()):
                 inputs, labels = spec.make_inputs(batch_size)
                 if cp:
