@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,33 @@ def test_real_runs_keep_freed_memory_for_the_next_step(monkeypatch, tmp_path):
                  threads=1)
     assert seen["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20) and int(seen["MALLOC_TRIM_THRESHOLD_"]) >= 2**32
     assert seen["OMP_NUM_THREADS"] == "1"
+
+
+def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_path):
+    """The replay runs in a child with the real runs' malloc and thread settings; a
+    context-parallel layout is not sent (its trace patches attention), the others come back
+    by their text."""
+    import subprocess
+
+    from topomesh.layout.api import resolve_layout
+    from topomesh.sim.simulate import Training
+    from topomesh.validate import run as vrun
+
+    seen: dict = {}
+    key = ["aten.mm.default", "[[2,3],[3,2]]", '["float32","float32"]', "[[3,1],[2,1]]", "[]"]
+
+    def fake_run(cmd, env, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen["env"] = env
+        spec = json.loads(Path(cmd[cmd.index("--spec") + 1]).read_text())
+        seen["spec"] = spec
+        out = {item["text"]: [[key, 0.002]] for item in spec["layouts"]}
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(out))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(vrun.subprocess, "run", fake_run)
+    layouts = [("tp=2", resolve_layout({"tp": 2}, 2)), ("cp=2", resolve_layout({"cp": 2}, 2))]
+    got = vrun.in_step_tables("tiny-llama", None, layouts, Training(global_batch=4), threads=1)
+    assert got == {"tp=2": {tuple(key): 0.002}}
+    assert [i["text"] for i in seen["spec"]["layouts"]] == ["tp=2"] and seen["spec"]["layouts"][0]["degrees"]["tp"] == 2
+    assert seen["env"]["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20) and seen["env"]["OMP_NUM_THREADS"] == "1"
+    assert vrun.in_step_tables("tiny-llama", None, layouts[1:], Training(global_batch=4), threads=1) == {}

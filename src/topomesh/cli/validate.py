@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="steps discarded first (default 2, at least 2)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch threads per process, in the runs and in the op table (default 1)")
+    p.add_argument("--in-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="price ops at their times inside the step (each layout's traced step replayed for real), "
+                        "not only at their isolated op-table times (default on; context-parallel layouts: off)")
     p.add_argument("--json", action="store_true", help="the report as JSON")
     p.add_argument("--png", default=None, metavar="FILE", help="predicted against measured step time, one point per layout")
 
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         compare,
         ensure_collectives,
         ensure_ops,
+        in_step_tables,
         layout_result,
         measure,
     )
@@ -114,8 +118,13 @@ def run(args: argparse.Namespace) -> int:
         table = ensure_ops(records, progress=lambda d, n, op: status.update(f"profiling ops {d}/{n}: {op}"))
     results = []
     for text, lay in layouts:
-        sim = sims[lay.world_size]
-        sim.table = table
+        in_step: dict[str, dict] = {}
+        if args.in_step:  # just before the real run: this VM's speed drifts over minutes
+            with err.status(f"timing {text}'s ops inside its step (its traced step replayed)"):
+                in_step = in_step_tables(args.model, args.seq_len, [(text, lay)], training, threads=args.threads)
+        # one simulator per layout: op times are memoized per simulator, and each layout has its own
+        sim = Simulator(model=model, cluster=sims[lay.world_size].cluster, cache=cache,
+                        table={**table, **in_step.get(text, {})})
         predicted = sim.simulate(lay, training)
         with err.status(f"running {text} for real ({lay.world_size} processes, {args.steps} steps)"):
             record = measure(args.model, args.seq_len, lay, training, steps=args.steps, warmup=args.warmup,

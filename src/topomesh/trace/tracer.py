@@ -438,6 +438,27 @@ def trace_step(
                   fewer_views=fewer_views)[0]
 
 
+def with_step_graph(
+    spec: ModelSpec,
+    parallelize: ParallelizeFn | None,
+    layout: Mapping[str, int],
+    use: Callable[[torch.fx.GraphModule, GroupTable], None],
+    *,
+    batch_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    optimizer: OptimizerFactory | None = default_optimizer,
+) -> Trace:
+    """:func:`trace_step` of the whole model, calling ``use(graph, groups)`` with the traced
+    ``make_fx`` graph of the step while its fake process group exists (the graph's
+    collectives name it): what :mod:`topomesh.cost.instep` runs for real to time each op where
+    the step runs it. Context parallel is refused (its trace patches attention for the
+    duration of the trace only)."""
+    if dict(layout).get(Axis.CP.value, 1) > 1:
+        raise LayoutError(f"the step graph of {dict(layout)} is not kept: context parallel traces a GPU attention kernel.")
+    return _trace(spec, parallelize, layout, n_layers=None, batch_size=batch_size, dtype=dtype,
+                  optimizer=optimizer, ring_rounds=None, on_graph=use)[0]
+
+
 def trace_rings(
     spec: ModelSpec,
     parallelize: ParallelizeFn | None,
@@ -482,8 +503,10 @@ def _trace(
     warm_up: bool = True,
     fewer_views: bool = True,
     cut_round: int | None = None,
+    on_graph: Callable[[torch.fx.GraphModule, GroupTable], None] | None = None,
 ) -> tuple[Trace, Trace | None]:
-    """:func:`trace_step`, and with ``cut_round`` also the trace without that ring round."""
+    """:func:`trace_step`, and with ``cut_round`` also the trace without that ring round.
+    ``on_graph`` is called with the traced graph while the fake process group still exists."""
     axes = normalize_layout(layout)
     world = math.prod(d for _, d in axes)
     depth = spec.n_layers if n_layers is None else n_layers
@@ -524,6 +547,8 @@ def _trace(
         except Exception as exc:
             raise _trace_error(spec, "forward, backward and optimizer step", exc) from exc
         table = GroupTable(mesh)
+        if on_graph is not None:
+            on_graph(gm, table)
         segments, unknown = _segments(gm, markers, table)
         block_state, first_state, last_state = _state_bytes(model, blocks, optimizers)
         trace = Trace(

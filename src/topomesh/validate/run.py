@@ -160,23 +160,60 @@ def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], No
         return db.table(fp)
 
 
+def in_step_tables(model: str, seq_len: int | None, layouts: Sequence[tuple[str, Any]], training: Any, *,
+                   threads: int, timeout_s: float = 900.0) -> dict[str, dict]:
+    """Per layout text, the op times of its traced step replayed for real
+    (:mod:`topomesh.cost.instep`), measured in one child process under the real runs' thread
+    count and malloc settings; they take precedence over the op table's isolated times."""
+    from topomesh.cost.instep import read_result
+    from topomesh.layout.dims import Axis
+
+    items = [{"text": text, "degrees": {a.value: lay.degree(a) for a in lay.order}, "order": lay.order_text()}
+             for text, lay in layouts if lay.degree(Axis.CP) == 1]  # cp traces a GPU attention kernel
+    if not items:
+        return {}
+    spec = {"model": model, "seq_len": seq_len, "threads": threads, "training": _knobs(training), "layouts": items}
+    with tempfile.TemporaryDirectory(prefix="topomesh-instep-") as tmp:
+        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_file.write_text(json.dumps(spec))
+        cmd = [sys.executable, "-m", "topomesh.cost.instep", "--spec", str(spec_file), "--out", str(out_file)]
+        try:
+            proc = subprocess.run(cmd, env=_child_env(threads), capture_output=True, text=True, timeout=timeout_s,
+                                  check=False)
+        except subprocess.TimeoutExpired:
+            raise ValidateError(f"timing the layouts' ops in their steps took more than {timeout_s:.0f} s.") from None
+        if proc.returncode != 0 or not out_file.is_file():
+            lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
+            raise ValidateError(f"timing the layouts' ops in their steps failed (exit {proc.returncode}): "
+                                + " | ".join(lines[-3:]))
+        return read_result(out_file)
+
+
+def _knobs(training: Any) -> dict[str, Any]:
+    import dataclasses
+
+    knobs = {f.name: getattr(training, f.name) for f in dataclasses.fields(training)}
+    knobs["schedule"] = training.schedule.value
+    return knobs
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **STEADY_MALLOC}
+
+
 # ------------------------------------------------------------------ real runs
 
 
 def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, steps: int, warmup: int,
             threads: int, timeout_s: float = 900.0) -> dict[str, Any]:
     """Run ``layout`` for real (see :mod:`topomesh.validate.worker`); rank 0's record."""
-    import dataclasses
-
     degrees = {a.value: layout.degree(a) for a in layout.order}
-    knobs = {f.name: getattr(training, f.name) for f in dataclasses.fields(training)}
-    knobs["schedule"] = training.schedule.value
     spec = {"model": model, "seq_len": seq_len, "degrees": degrees, "order": layout.order_text(),
-            "threads": threads, "warmup": warmup, "steps": steps, "training": knobs}
+            "threads": threads, "warmup": warmup, "steps": steps, "training": _knobs(training)}
     with tempfile.TemporaryDirectory(prefix="topomesh-validate-") as tmp:
         spec_file, out_file, logs = Path(tmp) / "spec.json", Path(tmp) / "out.json", Path(tmp) / "logs"
         spec_file.write_text(json.dumps(spec))
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **STEADY_MALLOC}
+        env = _child_env(threads)
         cmd = [sys.executable, "-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
                "--log-dir", str(logs), "--topology", "off", "-m", "topomesh.validate.worker",
                "--spec", str(spec_file), "--out", str(out_file)]

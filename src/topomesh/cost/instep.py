@@ -1,0 +1,216 @@
+"""Op times measured where the step runs them: the traced step graph replayed for real.
+
+:func:`~topomesh.cost.ops.time_op` times an op by calling it again and again on the same
+inputs: its data, its code and the branch history are hot in the core's caches. Inside a
+training step every op follows a different one; its inputs were written by another op, or
+(weights, optimizer state, activations kept for backward) touched last a whole phase ago, and
+its kernel's code was last run an op or a layer before. On this CPU that makes ops of a step
+slower than their table times: measured on the one-process step of
+``benchmarks/validate_llama.json``, ``mm`` 13-15 %, the flash-attention backward 4-7 %,
+``_to_copy`` and views 2.5-4 times, 19-23 % over the whole graph (the same ops, both timed
+in one process minutes apart, thread CPU clock).
+
+:func:`in_step_times` measures that directly: it traces a layout's step with
+:func:`~topomesh.trace.tracer.with_step_graph`, gives the graph real tensors of the traced
+shapes, dtypes and strides (parameters, optimizer state and buffers as small positive
+numbers, integer tensors as zeros so every index is in range, the inputs from the model
+spec's own ``make_inputs``), and runs it node by node (``torch.fx.Interpreter``, which frees
+each value after its last use, as the step does) under the fake process group the trace made
+(collectives return at once: they are priced by the collective model). Each compute node is
+timed alone on the thread's CPU clock (one torch thread; wall clock with more), so the
+interpreter's own Python is not in any op's time; a node's time is its median over
+``repeats`` runs after ``warmup``, and a signature's (:func:`~topomesh.cost.ops.profile_key`)
+the mean over the nodes that run it, so the table prices the replayed step at the sum of its
+measured ops. This is per-op timing in the op's real context, as trace-driven predictors of
+training time do (Daydream, ATC '20; dPRO, MLSys '22), not a fit to step times: what the
+step adds beyond its ops (Python, autograd, DTensor, collectives, other ranks) stays the
+simulator's to model.
+
+``python -m topomesh.cost.instep --spec FILE --out FILE`` does it for a list of layouts in a
+fresh process, so the replay runs under the same thread count and malloc settings as the real
+runs :mod:`topomesh.validate.run` starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from topomesh.cost.ops import Key, profilable, profile_key
+from topomesh.errors import LayoutError
+
+REPEATS = 5
+WARMUP = 1
+
+
+def real_tensor(fake: torch.Tensor) -> torch.Tensor:
+    """A real CPU tensor of ``fake``'s shape, strides and dtype: floating and complex values
+    in [0.01, 0.1) (positive, so square roots and logs of optimizer state are finite; far from
+    subnormal), integers and booleans zero (an in-range index of any dim)."""
+    out = torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device="cpu")
+    if fake.dtype.is_floating_point or fake.dtype.is_complex:
+        out.copy_(torch.rand(tuple(fake.shape), dtype=torch.float32).mul_(0.09).add_(0.01))
+    else:
+        out.zero_()
+    return out
+
+
+def materialize(gm: torch.fx.GraphModule, inputs: list[Any]) -> list[Any]:
+    """Swap every fake tensor the graph holds as an attribute (parameters, buffers, optimizer
+    state) for :func:`real_tensor`; returns the placeholders' values: ``inputs`` (real tensors
+    in placeholder order) where their shapes match, else real tensors like the traced ones."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        obj = getattr(gm, node.target)
+        if isinstance(obj, FakeTensor) or (isinstance(obj, torch.nn.Parameter) and isinstance(obj.data, FakeTensor)):
+            real = real_tensor(obj)
+            if isinstance(obj, torch.nn.Parameter):
+                real = torch.nn.Parameter(real, requires_grad=obj.requires_grad)
+            setattr(gm, node.target, real)
+    args = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        given = inputs[i] if i < len(inputs) else None
+        if isinstance(given, torch.Tensor) and isinstance(val, torch.Tensor) and given.shape == val.shape \
+                and given.dtype == val.dtype:
+            args.append(given)
+        else:
+            args.append(torch.utils._pytree.tree_map_only(torch.Tensor, real_tensor, val))
+    return args
+
+
+def time_nodes(gm: torch.fx.GraphModule, args: list[Any], *, repeats: int = REPEATS,
+               warmup: int = WARMUP) -> dict[torch.fx.Node, float]:
+    """Median seconds of each ``call_function`` node over ``repeats`` runs of the whole graph
+    (after ``warmup`` runs), each node timed alone on the thread CPU clock (one torch thread)
+    or the wall clock (more)."""
+    clock = time.thread_time_ns if torch.get_num_threads() == 1 else time.perf_counter_ns
+    times: dict[torch.fx.Node, list[int]] = defaultdict(list)
+
+    class Timed(torch.fx.Interpreter):
+        def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:  # noqa: D102
+            t0 = clock()
+            out = target(*args, **kwargs)
+            self._took = clock() - t0
+            return out
+
+        def run_node(self, n: torch.fx.Node) -> Any:  # noqa: D102
+            self._took = None
+            out = super().run_node(n)
+            if self._took is not None and record:
+                times[n].append(self._took)
+            return out
+
+    with torch.no_grad():
+        for i in range(warmup + repeats):
+            record = i >= warmup
+            Timed(gm).run(*args)
+    return {n: statistics.median(ts) / 1e9 for n, ts in times.items()}
+
+
+def signature_times(gm: torch.fx.GraphModule, groups: Any, node_s: Mapping[torch.fx.Node, float]) -> dict[Key, float]:
+    """Per op-table key, the mean in-step seconds of the nodes whose single record has that
+    key (collectives and nodes that stand for several records are left out)."""
+    from topomesh.trace.convert import node_records
+    from topomesh.trace.graph import OpRecord, Phase
+
+    acc: dict[Key, list[float]] = defaultdict(list)
+    for node, seconds in node_s.items():
+        records = node_records(node, gm, groups, Phase.FORWARD)
+        if len(records) == 1 and isinstance(records[0], OpRecord) and profilable(records[0]):
+            acc[profile_key(records[0])].append(seconds)
+    return {k: statistics.fmean(v) for k, v in acc.items()}
+
+
+def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch_size: int,
+                  dtype: torch.dtype, repeats: int = REPEATS, warmup: int = WARMUP) -> dict[Key, float]:
+    """In-step seconds per op-table key for one rank of ``degrees`` (see the module docstring)."""
+    from topomesh.trace.tracer import with_step_graph
+
+    out: dict[Key, float] = {}
+
+    def use(gm: torch.fx.GraphModule, groups: Any) -> None:
+        inputs, labels = spec.make_inputs(batch_size)
+        real = [t for t in torch.utils._pytree.tree_leaves((inputs, labels)) if isinstance(t, torch.Tensor)]
+        args = materialize(gm, real)
+        out.update(signature_times(gm, groups, time_nodes(gm, args, repeats=repeats, warmup=warmup)))
+
+    with_step_graph(spec, parallelize, degrees, use, batch_size=batch_size, dtype=dtype)
+    return out
+
+
+def run(spec: Mapping[str, Any]) -> dict[str, list]:
+    """The child process's work: ``spec`` names the model, training knobs, thread count and
+    layouts (``{"text", "degrees", "order"}``); returns per layout text a list of
+    ``[key, seconds]``."""
+    from topomesh.layout.api import resolve_layout
+    from topomesh.sim.inputs import load_model
+    from topomesh.sim.schedules import Schedule
+    from topomesh.sim.simulate import Training, trace_request
+
+    torch.set_num_threads(int(spec["threads"]))
+    torch.set_num_interop_threads(1)
+    model = load_model(spec["model"], seq_len=spec.get("seq_len"))
+    training = Training(**{**spec["training"], "schedule": Schedule(spec["training"]["schedule"])})
+    result: dict[str, list] = {}
+    for item in spec["layouts"]:
+        degrees = {str(k): int(v) for k, v in item["degrees"].items()}
+        world = 1
+        for d in degrees.values():
+            world *= d
+        layout = resolve_layout(degrees, world, order=item.get("order"))
+        (mspec, parallelize, traced), kw = trace_request(model, layout, training)
+        table = in_step_times(mspec, parallelize, traced, batch_size=kw["batch_size"], dtype=kw["dtype"],
+                              repeats=int(spec.get("repeats", REPEATS)))
+        result[item["text"]] = [[list(k), s] for k, s in table.items()]
+    return result
+
+
+def read_result(path: Path) -> dict[str, dict[Key, float]]:
+    """The child's output file, checked: per layout text, op-table key → seconds."""
+    from topomesh.topology.api import read_json
+
+    raw = read_json(path, what="in-step op times", error=LayoutError)
+    if not isinstance(raw, dict):
+        raise LayoutError(f"{path}: in-step op times must be a JSON object.")
+    out: dict[str, dict[Key, float]] = {}
+    for layout, rows in raw.items():
+        table: dict[Key, float] = {}
+        for row in rows if isinstance(rows, list) else ():
+            ok = (isinstance(row, list) and len(row) == 2 and isinstance(row[0], list) and len(row[0]) == 5
+                  and all(isinstance(x, str) for x in row[0]) and isinstance(row[1], int | float) and 0 <= row[1] < 1e4)
+            if not ok:
+                raise LayoutError(f"{path}: layout {str(layout)[:40]}: a malformed in-step op time.")
+            table[tuple(row[0])] = float(row[1])
+        out[str(layout)] = table
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="in-step op times of layouts' traced steps (topomesh validate)")
+    p.add_argument("--spec", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    spec = json.loads(args.spec.read_text())
+    from topomesh.topology.api import write_atomic
+
+    write_atomic(args.out, json.dumps(run(spec)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

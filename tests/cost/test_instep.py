@@ -1,0 +1,139 @@
+"""In-step op times: the traced step graph replayed for real, each op timed where it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from topomesh.cost import instep
+from topomesh.cost.ops import profilable, profile_key
+from topomesh.errors import LayoutError
+from topomesh.models.parallelize import make_parallelize
+from topomesh.models.presets import get_preset
+from topomesh.trace.convert import node_records
+from topomesh.trace.graph import OpRecord, Phase
+from topomesh.trace.tracer import transformer_spec, with_step_graph
+
+
+def test_real_tensor_keeps_shape_strides_dtype_and_safe_values():
+    with FakeTensorMode():
+        f = torch.empty(4, 6).t()
+        c = torch.empty(3, dtype=torch.complex64)
+        i = torch.empty(5, dtype=torch.int64)
+    r = instep.real_tensor(f)
+    assert not isinstance(r, FakeTensor)
+    assert (r.shape, r.stride(), r.dtype) == ((6, 4), (1, 6), torch.float32)
+    assert r.min() >= 0.01 and r.max() < 0.1  # positive: sqrt/log of optimizer state stay finite
+    assert instep.real_tensor(c).real.min() >= 0.01
+    assert instep.real_tensor(i).eq(0).all()  # an in-range index of any dim
+
+
+def _fake_linear_graph():
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        lin = torch.nn.Linear(8, 8)
+
+    def step(x):
+        return (lin(lin(x)) * 2).sum()  # the two addmm share a signature
+
+    with fake:
+        gm = make_fx(step)(torch.randn(3, 8))
+    return gm
+
+
+def test_materialize_swaps_every_fake_attribute_and_uses_given_inputs():
+    gm = _fake_linear_graph()
+    assert any(isinstance(getattr(gm, n.target), FakeTensor) or isinstance(getattr(gm, n.target).data, FakeTensor)
+               for n in gm.graph.nodes if n.op == "get_attr")
+    x = torch.randn(3, 8)
+    args = instep.materialize(gm, [x])
+    assert args[0] is x
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj = getattr(gm, n.target)
+            assert not isinstance(obj, FakeTensor) and not isinstance(getattr(obj, "data", None), FakeTensor)
+    assert torch.isfinite(gm(*args))  # it runs on the real tensors
+    # an input of another shape is not used: one like the traced one is made
+    assert instep.materialize(gm, [torch.randn(2, 8)])[0].shape == (3, 8)
+
+
+def test_time_nodes_takes_the_median_after_warmup(monkeypatch):
+    gm = _fake_linear_graph()
+    args = instep.materialize(gm, [torch.randn(3, 8)])
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    per_run = 2 * len(nodes)  # two clock reads per timed node
+    calls = {"n": 0, "t": 0}
+
+    def clock():  # the warm-up run's ops take 1 ms each, later runs' 100 ns, 200 ns, 300 ns
+        run = calls["n"] // per_run
+        calls["n"] += 1
+        calls["t"] += (10**6 if run == 0 else 100 * run) if calls["n"] % 2 == 0 else 0
+        return calls["t"]
+
+    monkeypatch.setattr(instep.time, "thread_time_ns", clock)
+    torch.set_num_threads(1)
+    got = instep.time_nodes(gm, args, repeats=3, warmup=1)
+    assert set(got) == set(nodes)
+    assert all(v == pytest.approx(200e-9) for v in got.values())  # median of 100, 200, 300 ns
+
+
+def test_signature_times_average_the_nodes_of_one_key_and_skip_collectives():
+    gm = _fake_linear_graph()
+    timed = {n: float(i + 1) for i, n in enumerate(gm.graph.nodes) if n.op == "call_function"}
+    keys: dict = {}
+    for n, s in timed.items():
+        (rec,) = node_records(n, gm, None, Phase.FORWARD) or (None,)
+        if isinstance(rec, OpRecord) and profilable(rec):
+            keys.setdefault(profile_key(rec), []).append(s)
+    got = instep.signature_times(gm, None, timed)
+    assert max(len(v) for v in keys.values()) == 2
+    assert got == {k: sum(v) / len(v) for k, v in keys.items()}
+    # the table prices the graph at the sum of its timed nodes
+    assert sum(got[k] * len(v) for k, v in keys.items()) == pytest.approx(sum(sum(v) for v in keys.values()))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = dataclasses.replace(get_preset("tiny-llama"), n_layers=1, seq_len=32)
+    return transformer_spec(cfg)
+
+
+@pytest.mark.parametrize("degrees", [{"dp_shard": 1}, {"dp_shard": 2}, {"tp": 2}])
+def test_in_step_times_cover_the_traced_steps_ops(tiny, degrees):
+    par = make_parallelize() if max(degrees.values()) > 1 else None
+    seen: dict = {}
+
+    def keys_of(gm, groups):
+        for n in gm.graph.nodes:
+            recs = node_records(n, gm, groups, Phase.FORWARD)
+            if len(recs) == 1 and isinstance(recs[0], OpRecord) and profilable(recs[0]):
+                seen[profile_key(recs[0])] = True
+
+    with_step_graph(tiny, par, degrees, keys_of, batch_size=1, dtype=torch.float32)
+    got = instep.in_step_times(tiny, par, degrees, batch_size=1, dtype=torch.float32, repeats=1)
+    assert set(got) == set(seen) and len(got) > 20
+    assert all(0 <= s < 1.0 for s in got.values())
+    mm = [s for k, s in got.items() if k[0] == "aten.mm.default"]
+    assert mm and min(mm) > 0
+
+
+def test_with_step_graph_refuses_context_parallel(tiny):
+    with pytest.raises(LayoutError, match="context parallel"):
+        with_step_graph(tiny, make_parallelize(), {"cp": 2}, lambda gm, g: None)
+
+
+def test_read_result_checks_every_row(tmp_path):
+    good = tmp_path / "good.json"
+    key = ["aten.mm.default", "[[2,3],[3,2]]", '["float32","float32"]', "[[3,1],[2,1]]", "[]"]
+    good.write_text(json.dumps({"dp_shard=2": [[key, 0.001]]}))
+    assert instep.read_result(good) == {"dp_shard=2": {tuple(key): 0.001}}
+    for bad in ([[key[:4], 0.001]], [[key, -1.0]], [[key, "1"]], [[key, 0.1, 3]]):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({"tp=2": bad}))
+        with pytest.raises(LayoutError, match="malformed"):
+            instep.read_result(path)
