@@ -38,6 +38,21 @@ def test_sweep_config_is_bounded_and_deterministic():
         SweepConfig(min_bytes=10, max_bytes=5)
 
 
+def test_a_point_is_the_mean_of_its_repeats(monkeypatch):
+    """A step pays the sum of its collectives, so a point is the mean: gloo's times on a shared
+    machine are skewed (a peer's thread waits for a core now and then)."""
+    from topomesh.cost import calibrate
+
+    cfg = SweepConfig(min_bytes=1024, max_bytes=2048, min_repeats=4, max_repeats=4, warmup=0)
+    skewed = {1024: iter([1.0, 1.0, 1.0, 9.0]), 2048: iter([2.0, 2.0, 2.0, 2.0])}
+    monkeypatch.setattr(calibrate, "_buffers", lambda kind, nbytes, n, device: (nbytes, None))
+    monkeypatch.setattr(calibrate, "_op", lambda kind, inp, out, pg, ranks, me: inp)
+    monkeypatch.setattr(calibrate, "_time_once", lambda fn, group, device: next(skewed[fn]))
+    spec = calibrate.GroupSpec(ranks=(0, 1), link=LinkKind.SHM, scope="intra")
+    got = calibrate._measure_sizes(cfg, CollectiveKind.ALL_REDUCE, spec, None, 0, "cpu", None)
+    assert got == [3.0, 2.0]  # (1 + 1 + 1 + 9) / 4; the median would say 1.0
+
+
 @pytest.mark.slow
 def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_path):
     out = tmp_path / "profile.json"

@@ -12,7 +12,7 @@ sizes 2, 4, ... up to the world, separately for a group inside one host (intra-n
 a group of one rank per host (inter-node). The link kind of a group is its slowest ring
 link in ``WORLD_TOPOLOGY_FILE`` when the launcher wrote one, else SHM (CPU) / PHB (GPU)
 inside a host and NIC between hosts. Each point is timed ``repeats`` times between
-barriers, interleaved across sizes; a point's time is the slowest rank's median. Rank 0 fits every collective ×
+barriers, interleaved across sizes; a point's time is the slowest rank's mean (:data:`STATISTIC`). Rank 0 fits every collective ×
 link kind (:func:`topomesh.cost.collectives.fit_collective`: alpha-beta or piecewise,
 error on held-out sizes) and writes the profile JSON.
 """
@@ -199,6 +199,15 @@ def _op(kind: CollectiveKind, inp: Any, out: Any, group: Any, ranks: tuple[int, 
     return lambda: dist.recv(inp, src=ranks[0])
 
 
+STATISTIC = "mean"
+"""What a point's repeats are reduced to, recorded in a profile's ``meta``. The mean: a step pays
+the sum of its collectives' times, whose expectation is the sum of their means. The median
+would be the lower choice wherever the times are skewed: gloo's all-reduce of 256 KiB between
+two processes on this 2-core VM took a median of 0.54-0.58 ms and a mean of 1.90-1.95 ms over
+100 repeats (p10 0.3 ms, p90 4 ms: a peer's thread waits for a core); 2.8 MiB 1.7-3.5 ms and
+2.6-3.7 ms. On GPUs (NCCL) the two are close."""
+
+
 def _time_once(fn: Callable[[], None], group: Any, device: str) -> float:
     import torch
     import torch.distributed as dist
@@ -213,7 +222,7 @@ def _time_once(fn: Callable[[], None], group: Any, device: str) -> float:
 
 def _measure_sizes(cfg: SweepConfig, kind: CollectiveKind, spec: GroupSpec, pg: Any, me: int, device: str,
                    progress: Callable[[str], None] | None) -> list[float]:
-    """Median seconds per size on this rank. Repeats are interleaved across sizes (round
+    """Mean seconds per size on this rank (:data:`STATISTIC`). Repeats are interleaved across sizes (round
     robin), so a burst of load from other processes spreads over many sizes instead of
     spoiling every repeat of one."""
     import torch
@@ -236,14 +245,14 @@ def _measure_sizes(cfg: SweepConfig, kind: CollectiveKind, spec: GroupSpec, pg: 
                 times[i].append(_time_once(fn, pg, device))
                 if progress and r == reps[i] - 1:
                     progress(f"{kind.value} n={len(spec.ranks)} {spec.scope} {sizes[i]} B")
-    return [statistics.median(t) for t in times]
+    return [statistics.fmean(t) for t in times]
 
 
 def run_sweep(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str,
               progress: Callable[[str], None] | None = None) -> list[Sample]:
     """Measure every collective × size on every group (call on all ranks; collective).
 
-    Returns the samples this rank measured as group rank 0 (the slowest rank's medians).
+    Returns the samples this rank measured as group rank 0 (the slowest rank's means).
     """
     import torch
     import torch.distributed as dist
@@ -259,8 +268,8 @@ def run_sweep(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str,
             for kind in cfg.collectives:
                 if kind is CollectiveKind.SEND_RECV and n != 2:
                     continue
-                medians = _measure_sizes(cfg, kind, spec, pg, me, device, progress)
-                worst = torch.tensor(medians, dtype=torch.float64, device=device)
+                means = _measure_sizes(cfg, kind, spec, pg, me, device, progress)
+                worst = torch.tensor(means, dtype=torch.float64, device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pg)
                 if me == spec.ranks[0]:
                     for nbytes, t in zip(cfg.sizes(), worst.tolist(), strict=True):
@@ -369,7 +378,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         fp = cluster_fingerprint([tuple(r) for r in ranks], backend)
         meta = {
             "world_size": len(hosts), "hosts": sorted(set(hosts)), "devices": sorted({d for _, d in ranks}),
-            "link_source": link_source, "sizes_bytes": cfg.sizes(), "torch": torch.__version__,
+            "link_source": link_source, "sizes_bytes": cfg.sizes(), "torch": torch.__version__, "statistic": STATISTIC,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],
             "samples": [[s.collective.value, s.link.value, s.group_size, s.nbytes, s.seconds] for s in all_samples],

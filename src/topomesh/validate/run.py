@@ -130,14 +130,16 @@ def compare(results: Sequence[LayoutResult]) -> dict[str, Any]:
 
 def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     """The gloo profile of this host, calibrated now (``calibrate --local world``, sizes up to
-    16 MiB) when none is saved or the newest measured fewer ranks than ``world``."""
-    from topomesh.cost.calibrate import spawn_local
+    16 MiB) when none is saved, the newest measured fewer ranks than ``world``, or it reduced
+    its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
+    before 2026-11-25)."""
+    from topomesh.cost.calibrate import STATISTIC, spawn_local
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
 
     try:
         prof, path = local_profile()
-        if int(prof.meta.get("world_size", 0)) >= world:
+        if int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC:
             return path
     except ClusterError:
         pass
