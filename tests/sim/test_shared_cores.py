@@ -104,9 +104,29 @@ def test_collectives_dtensor_issues_pay_host_time(model, degrees):
     assert b.breakdown.exposed_comm_s == pytest.approx(a.breakdown.exposed_comm_s, rel=1e-9)  # transfers as before
 
 
+@pytest.mark.parametrize("degrees, reductions, gathers", [
+    # FSDP2 units: every block and the root (embeddings, norm, head), L + 1 of them. Sharded, each
+    # all-gathers in forward and again in backward (resharded after forward) and reduce-scatters
+    # once; replicate-only (a shard group of 1), one all-reduce each and nothing gathered.
+    ({"dp_shard": 2}, 1, 2), ({"dp_replicate": 2}, 1, 0), ({"tp": 2}, 0, 0),
+])
+def test_fsdp2_collectives_pay_its_host_work(model, degrees, reductions, gathers):
+    gpu = load_cluster("dgx-h100", gpus=2)
+    layout, training = Layout(**degrees), Training(global_batch=1 if "tp" in degrees else 2)
+    a = Simulator(model=model, cluster=gpu).simulate(layout, training)
+    b = Simulator(model=model, cluster=dataclasses.replace(gpu, fsdp_reduce_s=1e-3, fsdp_gather_s=1e-5)).simulate(
+        layout, training)
+    units = model.spec.n_layers + 1
+    assert b.breakdown.compute_s - a.breakdown.compute_s == pytest.approx(
+        units * (reductions * 1e-3 + gathers * 1e-5), abs=1e-9)
+    assert b.breakdown.optimizer_s == pytest.approx(a.breakdown.optimizer_s, rel=1e-12)
+
+
 @pytest.mark.parametrize("name, measure, low, high", [
     ("dtensor_dispatch_s", "measure_dtensor_dispatch_s", 1e-6, 1e-3),  # an op's Python dispatch: microseconds
     ("dtensor_collective_s", "measure_dtensor_collective_s", 5e-6, 5e-3),  # a redistribution's host work
+    ("fsdp_reduce_s", "measure_fsdp_host_s", 2e-5, 2e-2),  # a unit's hooks and reduction: ~0.1-1 ms
+    ("fsdp_gather_s", "measure_fsdp_host_s", 2e-6, 5e-3),  # an all-gather's bookkeeping
 ])
 def test_dtensor_host_costs_measured_once_and_cached(tmp_path, monkeypatch, name, measure, low, high):
     import torch

@@ -113,6 +113,13 @@ class Cluster:
     """Host seconds each collective DTensor issues (a ``_c10d_functional`` record) costs on the
     computing thread besides its transfer (:func:`topomesh.cost.dispatch.measure_dtensor_collective_s`,
     measured for ``local``); 0 for GPU presets, as :attr:`dtensor_dispatch_s`."""
+    fsdp_reduce_s: float = 0.0
+    """Host seconds an FSDP2 unit's hooks and reduction cost on the computing thread per forward
+    and backward, paid per reduction FSDP2 issues (a ``c10d.`` reduce-scatter or all-reduce
+    record in backward) (:func:`topomesh.cost.dispatch.measure_fsdp_host_s`, measured for
+    ``local``); 0 for GPU presets, as :attr:`dtensor_dispatch_s`."""
+    fsdp_gather_s: float = 0.0
+    """Host seconds an FSDP2 all-gather (a ``c10d.`` all-gather record) adds, as :attr:`fsdp_reduce_s`."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
@@ -305,8 +312,9 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     The processes share this host's cores (``os.sched_getaffinity``), each running torch's
     current thread count (the op table and the CPU spec are keyed by it), gloo's
     collectives run on those cores (:attr:`Cluster.collectives_share_compute`), and an op on
-    DTensors pays DTensor's dispatch on the computing thread (:attr:`Cluster.dtensor_dispatch_s`), and
-    a collective DTensor issues its host work there too (:attr:`Cluster.dtensor_collective_s`)."""
+    DTensors pays DTensor's dispatch on the computing thread (:attr:`Cluster.dtensor_dispatch_s`),
+    a collective DTensor issues its host work there too (:attr:`Cluster.dtensor_collective_s`), and
+    so does FSDP2 per unit and all-gather (:attr:`Cluster.fsdp_reduce_s`, :attr:`Cluster.fsdp_gather_s`)."""
     prof, path = local_profile(directory)
     measured = prof.meta.get("world_size")
     n = gpus if gpus is not None else (measured if isinstance(measured, int) and measured > 0 else 2)
@@ -315,7 +323,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
 
     import torch
 
-    from topomesh.cost.dispatch import dtensor_collective_s, dtensor_dispatch_s
+    from topomesh.cost.dispatch import dtensor_collective_s, dtensor_dispatch_s, fsdp_gather_s, fsdp_reduce_s
 
     host = Host(hostname=socket.gethostname())
     topo = build_topology([host], default_placement([host], [n]), source="local")
@@ -323,7 +331,8 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
                    collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory),
-                   dtensor_collective_s=dtensor_collective_s(directory=directory))
+                   dtensor_collective_s=dtensor_collective_s(directory=directory),
+                   fsdp_reduce_s=fsdp_reduce_s(directory=directory), fsdp_gather_s=fsdp_gather_s(directory=directory))
 
 
 # ------------------------------------------------------------------ topology files
