@@ -323,7 +323,12 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
 
     import torch
 
-    from topomesh.cost.dispatch import dtensor_collective_s, dtensor_dispatch_s, fsdp_gather_s, fsdp_reduce_s
+    from topomesh.cost.dispatch import (
+        dtensor_collective_s,
+        dtensor_dispatch_s,
+        fsdp_gather_s,
+        fsdp_reduce_s,
+    )
 
     host = Host(hostname=socket.gethostname())
     topo = build_topology([host], default_placement([host], [n]), source="local")
