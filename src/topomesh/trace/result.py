@@ -48,7 +48,9 @@ class Segment:
     and its backward (tensors sharing storage counted once; parameters and their views
     excluded). 0 for other phases."""
     peak_output_bytes: int = 0
-    """Bytes of the largest single tensor an op of this segment produces (transient memory)."""
+    """Transient memory: the most bytes the segment's own temporaries (tensors it computes from
+    the step's inputs and last reads itself) hold at once, by liveness in graph order
+    (:func:`topomesh.trace.tracer._liveness`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -813,39 +813,83 @@ def _prefetches(
 def _liveness(
     gm: torch.fx.GraphModule, where: Mapping[torch.fx.Node, int], keys: Sequence[tuple[Phase, int | None]]
 ) -> tuple[dict[int, int], dict[int, int]]:
-    """Per segment index: bytes kept for backward, and the largest tensor an op produces.
+    """Per segment index: bytes kept for backward, and the most bytes its own temporaries hold
+    at once.
 
     A tensor is kept for backward when a forward node computed from the step's inputs
     (placeholders; parameters enter as constants, so weights and their transposes are not
     activations) has a user in the backward phase. Views share their base's storage and are
     counted once, by storage, in the segment that first keeps it.
+
+    A segment's temporaries are the storages its nodes computed from the step's inputs make
+    and last read inside it (views and in-place ops extend a storage's life to their own last
+    reader): not parameters, optimizer state or what derives from them alone (FSDP2's
+    gathered parameters: the simulator counts those), and not what leaves the segment
+    (activations kept for backward, a block's output, gradients kept as training state or
+    handed to a reduction in another piece). Each lives from the node that makes it to its
+    last reader, so a node's inputs and outputs are live together; the peak is the largest
+    sum over the segment's nodes. The loss's backward, for one, holds the gradients of the
+    log-softmax and of the float32 and training-dtype logits at once, not only the largest.
     """
     from torch.multiprocessing.reductions import StorageWeakRef
-
-    from_input: set[torch.fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" or any(a in from_input for a in node.all_input_nodes):
-            from_input.add(node)
-    owner: dict[object, tuple[int, int]] = {}  # storage -> (segment that first keeps it, bytes)
-    peak: dict[int, int] = {}
 
     def tensors(val: object) -> list[torch.Tensor]:
         return [t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
 
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    from_input: set[torch.fx.Node] = set()
+    external: set[object] = set()  # storages of the step's inputs, parameters and state
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a in from_input for a in node.all_input_nodes):
+            from_input.add(node)
+        if node.op in ("placeholder", "get_attr"):
+            val = node.meta.get("val") if node.op == "placeholder" else getattr(gm, str(node.target), None)
+            external.update(StorageWeakRef(t.untyped_storage()).cdata for t in tensors(val))
+    owner: dict[object, tuple[int, int]] = {}  # storage -> (segment that first keeps it, bytes)
+    born: dict[object, tuple[int, int, int]] = {}  # temporary storage -> (segment, first node, bytes)
+    dies: dict[object, int] = {}
+    leaves: set[object] = set()
     for node, seg in where.items():
         vals = tensors(node.meta.get("val"))
-        if not vals or node.op == "placeholder":
+        if not vals or node.op != "call_function":
             continue
-        peak[seg] = max(peak.get(seg, 0), max(t.untyped_storage().nbytes() for t in vals))
-        if keys[seg][0] is not Phase.FORWARD or node not in from_input:
-            continue
-        if any(u in where and keys[where[u]][0] is Phase.BACKWARD for u in node.users):
+        if keys[seg][0] is Phase.FORWARD and node in from_input and \
+                any(u in where and keys[where[u]][0] is Phase.BACKWARD for u in node.users):
             for t in vals:
                 st = t.untyped_storage()
                 owner.setdefault(StorageWeakRef(st).cdata, (seg, st.nbytes()))
+        users = [u for u in node.users if u in where]
+        escapes = any(where[u] != seg or u.op == "output" for u in users)
+        last = max([order[node], *(order[u] for u in users if where[u] == seg)])
+        for t in vals:
+            st = t.untyped_storage()
+            ref = StorageWeakRef(st).cdata
+            if ref in external:
+                continue
+            if ref not in born:
+                if node not in from_input:
+                    external.add(ref)  # made from parameters alone
+                    continue
+                born[ref] = (seg, order[node], st.nbytes())
+            elif born[ref][0] != seg:
+                leaves.add(ref)  # read (as a view, in place) by a later segment
+            dies[ref] = max(dies.get(ref, 0), last)
+            if escapes:
+                leaves.add(ref)
     saved: dict[int, int] = {}
     for seg, nbytes in owner.values():
         saved[seg] = saved.get(seg, 0) + nbytes
+    changes: dict[int, list[tuple[int, int]]] = {}
+    for ref, (seg, first, nbytes) in born.items():
+        if ref not in leaves and ref not in owner:
+            changes.setdefault(seg, []).extend([(2 * first, nbytes), (2 * dies[ref] + 1, -nbytes)])
+    peak: dict[int, int] = {}
+    for seg, events in changes.items():
+        live = most = 0
+        for _, nbytes in sorted(events):  # alive through its last reader, freed after it
+            live += nbytes
+            most = max(most, live)
+        peak[seg] = most
     return saved, peak
 
 

@@ -1,0 +1,66 @@
+"""Transient memory of a segment: its temporaries' live peak in graph order, by hand."""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from topomesh.trace.graph import Phase
+from topomesh.trace.tracer import _liveness
+
+N = 1024  # float32 elements: 4,096 bytes a tensor
+
+
+FAKE = FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _peak(fn, *args) -> int:  # noqa: ANN001
+    """Traced as the tracer traces (inside a fake mode, so a view's value shares its base's storage)."""
+    with FAKE:
+        gm = make_fx(fn)(*args)
+    where = {n: 0 for n in gm.graph.nodes}
+    saved, peak = _liveness(gm, where, [(Phase.BACKWARD, None)])
+    assert saved == {}
+    return peak.get(0, 0)
+
+
+def _x() -> torch.Tensor:
+    with FAKE:
+        return torch.randn(N)
+
+
+def test_inputs_and_outputs_of_a_node_are_live_together():
+    def step(x):
+        a = x * 2  # a: until c
+        b = a + 1  # b: until d
+        c = a * b  # a, b, c live: 3 tensors
+        d = b + c  # b, c, d live: 3 tensors
+        return d.sum()  # d read here; the sum leaves the segment (the graph's output)
+
+    assert _peak(step, _x()) == 3 * 4 * N  # the largest single tensor is 4 * N
+
+
+def test_a_view_keeps_its_base_alive_and_counts_once():
+    def step(x):
+        a = x * 2
+        v = a.view(32, 32)  # same storage as a
+        s = v.sum()  # the view's last reader; a is read again below
+        b = x + 1
+        c = a * b  # a, b, c live, and s (4 bytes) until the end
+        return (s + c.sum()).reshape(1)
+
+    assert _peak(step, _x()) == 3 * 4 * N + 4
+
+
+def test_parameters_their_derivatives_and_what_leaves_are_not_temporaries():
+    with FAKE:
+        w = torch.randn(N)
+
+    def step(x):
+        wt = w * 3  # from the parameter alone (FSDP2's gathered parameters are such): not counted
+        a = x * 2  # a temporary
+        out = a + wt  # leaves as the graph's output
+        return out
+
+    assert _peak(step, _x()) == 4 * N  # a alone: out leaves, wt is parameter-made
