@@ -37,6 +37,7 @@ all-gather is what an all-gather adds (:func:`fsdp_gather_s`). Measured here: 0.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
@@ -50,6 +51,19 @@ from topomesh.errors import CalibrationError
 METHOD_VERSION = 1
 
 
+def _median_thread_s(fn: Callable[[], None], *, repeats: int, warmup: int = 1) -> float:
+    """Median thread CPU seconds of ``fn()`` over ``repeats`` calls after ``warmup`` (lazy
+    caches of the dispatcher, of autograd, of FSDP2's first call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - c0)
+    return statistics.median(times)
+
+
 def _chain_s(x: object, n: int, repeats: int) -> float:
     """Median thread CPU seconds of ``n`` multiplies on ``x`` forward and their backward."""
 
@@ -59,13 +73,7 @@ def _chain_s(x: object, n: int, repeats: int) -> float:
             t = t * 1.0001
         t.sum().backward()
 
-    run()  # first call: lazy caches of the dispatcher
-    times = []
-    for _ in range(repeats):
-        c0 = time.thread_time()
-        run()
-        times.append(time.thread_time() - c0)
-    return statistics.median(times)
+    return _median_thread_s(run, repeats=repeats)
 
 
 def measure_dtensor_dispatch_s(*, n: int = 200, repeats: int = 5) -> float:
@@ -108,15 +116,9 @@ def measure_dtensor_collective_s(*, repeats: int = 50) -> float:
         cases = [(DTensor.from_local(leaf, mesh, [Shard(0)]), [Replicate()]),  # all-gather
                  (DTensor.from_local(leaf, mesh, [Partial()]), [Shard(0)]),  # reduce-scatter
                  (DTensor.from_local(leaf, mesh, [Partial()]), [Replicate()])]  # all-reduce
-        medians = []
-        for source, target in cases:
-            source.redistribute(mesh, target)  # first call: the planner's caches
-            times = []
-            for _ in range(repeats):
-                c0 = time.thread_time()
-                source.redistribute(mesh, target)
-                times.append(time.thread_time() - c0)
-            medians.append(statistics.median(times))
+        # the first call of each fills the redistribution planner's caches
+        medians = [_median_thread_s(functools.partial(source.redistribute, mesh, target), repeats=repeats)
+                   for source, target in cases]
     return statistics.median(medians)
 
 
@@ -156,17 +158,7 @@ def measure_fsdp_host_s(*, units: int = 8, repeats: int = 30) -> tuple[float, fl
     def step(m: nn.Module) -> Callable[[], None]:
         return lambda: m(x).sum().backward()
 
-    def median_s(fn: Callable[[], None]) -> float:
-        for _ in range(3):  # lazy init, the first backward's caches
-            fn()
-        times = []
-        for _ in range(repeats):
-            c0 = time.thread_time()
-            fn()
-            times.append(time.thread_time() - c0)
-        return statistics.median(times)
-
-    plain = median_s(step(model()))
+    plain = _median_thread_s(step(model()), repeats=repeats, warmup=3)
     runs = {}
     for dims, names in (([2, 1], ["dp_replicate", "dp_shard"]), ([2], ["dp_shard"])):
         with fake_process_group(2):
@@ -176,7 +168,7 @@ def measure_fsdp_host_s(*, units: int = 8, repeats: int = 30) -> tuple[float, fl
             for block in m:
                 fully_shard(block, mesh=mesh, mp_policy=mp)
             fully_shard(m, mesh=mesh, mp_policy=mp)
-            took = median_s(step(m))
+            took = _median_thread_s(step(m), repeats=repeats, warmup=3)  # lazy init, first backward
             count = Collectives()
             with count:
                 step(m)()

@@ -8,11 +8,12 @@ profile, its measured op table), then a real run of the same model, layout and k
 
 * collectives: the newest gloo profile ``topomesh calibrate`` saved for this host, or a
   fresh ``calibrate --local N`` sweep (N the largest world of the layouts) when there is
-  none or the saved one measured fewer ranks;
+  none, the saved one measured fewer ranks or reduced its repeats otherwise than as means;
 * ops: every distinct op of the layouts' traces not yet in the shared op-profile table for
   this CPU at ``threads`` threads (:func:`~topomesh.cost.ops.profile_ops`), the same
   fingerprint the prediction reads, so op times are measured under the thread count the
-  real runs use.
+  real runs use; then, just before each layout's real run, its ops timed inside its replayed
+  step (:func:`in_step_tables`), which price that layout instead.
 
 :func:`compare` turns predictions and measurements into the report (relative errors, the
 means, whether the predicted fastest layout is the measured fastest).
