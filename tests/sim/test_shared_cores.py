@@ -161,3 +161,22 @@ def test_fsdp_backward_holds_the_gradient_reduction_buffers(model):
     trace = sim.trace(layout, training)
     peak_out = max(s.peak_output_bytes for s in trace.segments if s.phase in (Phase.FORWARD, Phase.BACKWARD))
     assert r.memory[0].transient_bytes == 2 * params * 2 + 2 * params * 4 + peak_out
+
+
+def test_fsdp_host_work_splits_into_per_unit_and_per_gather(monkeypatch):
+    """8 one-layer units: replicate-only, 8 all-reduces and no all-gather; sharded, each unit
+    all-gathers in forward and again in backward (resharded after forward) and reduce-scatters
+    once: 16 and 8. With the unsharded model at 1 s, replicate-only 8 x 0.5 ms above it and
+    sharded a further 16 x 0.1 ms: 0.5 ms a unit, 0.1 ms an all-gather."""
+    import torch
+
+    from topomesh.cost import dispatch
+
+    times = iter([1.0, 1.0 + 8 * 0.5e-3, 1.0 + 8 * 0.5e-3 + 16 * 0.1e-3])
+    monkeypatch.setattr(dispatch, "_median_thread_s", lambda fn, **kw: next(times))
+    before = torch.get_num_threads()
+    try:
+        unit, gather = dispatch.measure_fsdp_host_s(units=8)
+    finally:
+        torch.set_num_threads(before)
+    assert unit == pytest.approx(0.5e-3) and gather == pytest.approx(0.1e-3)
