@@ -157,3 +157,32 @@ def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_pa
     assert [i["text"] for i in seen["spec"]["layouts"]] == ["tp=2"] and seen["spec"]["layouts"][0]["degrees"]["tp"] == 2
     assert seen["env"]["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20) and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert vrun.in_step_tables("tiny-llama", None, layouts[1:], Training(global_batch=4), threads=1) == {}
+
+
+def test_pipeline_runs_keep_no_outputs(monkeypatch):
+    """torch's schedules keep every micro-batch's output on the last stage unless told not to
+    (4.2 MB at its peak for benchmarks/validate_llama.json); the worker trains, so it does not."""
+    import torch.distributed.pipelining as pipelining
+    import torch.distributed.pipelining.schedules as schedules
+
+    from topomesh.sim.simulate import Training
+    from topomesh.validate import worker
+
+    calls = []
+
+    class FakeSchedule:
+        def __init__(self, stage, n_microbatches, loss_fn):  # noqa: ANN001
+            pass
+
+        def step(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            calls.append(kwargs)
+
+    class FakeMesh:
+        def get_group(self, name):  # noqa: ANN001
+            return None
+
+    monkeypatch.setattr(pipelining, "PipelineStage", lambda *a, **k: object())
+    monkeypatch.setattr(schedules, "get_schedule_class", lambda name: FakeSchedule)
+    step = worker._pipeline_step(torch.nn.Linear(2, 2), FakeMesh(), 1, 2, 4, Training(global_batch=4))
+    step(torch.zeros(4, 2, dtype=torch.long))
+    assert calls and calls[0]["return_outputs"] is False and calls[0]["target"] is not None

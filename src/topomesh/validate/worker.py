@@ -14,7 +14,8 @@ and the worker trains exactly what the simulator traced:
   the float32 token cross-entropy (``loss_parallel`` when the logits are vocab-sharded);
 * with ``pp > 1``: one ``PipelineStage`` per pipeline rank holding the layers
   :func:`~topomesh.sim.simulate.split_layers` gives it, run by the torch schedule class
-  the simulator takes its action order from (:mod:`topomesh.sim.schedules`);
+  the simulator takes its action order from (:mod:`topomesh.sim.schedules`), its outputs not
+  kept (``return_outputs=False``: a training loop reads only the losses);
 * without a pipeline: the micro-batches one after the other (gradient accumulation).
 
 Measurement: ``torch.set_num_threads(threads)`` in every process (and one inter-op thread);
@@ -252,7 +253,9 @@ def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int
 
     def step(tokens: torch.Tensor) -> None:
         args = (tokens,) if stage == 0 else ()
-        schedule.step(*args, target=tokens if last else None)
+        # return_outputs=False: by default the last stage keeps every micro-batch's output (the
+        # logits) to return them merged, 4.2 MB more at its peak here that training never reads
+        schedule.step(*args, target=tokens if last else None, return_outputs=False)
 
     return step
 
