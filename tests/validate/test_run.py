@@ -47,16 +47,50 @@ def test_compare_needs_a_layout():
 
 def test_peak_in_window_counts_what_is_live_when_it_opens():
     # 100 B live before the window; inside: +50 (150), -50 (100), +20 (120); after it: +500
-    recs = [(20, 500), (7, 20), (1, 100), (6, -50), (5, 50)]  # any order
+    recs = [(20, 500, 5), (7, 20, 4), (1, 100, 1), (6, -50, 2), (5, 50, 2)]  # any order
     assert peak_in_window(recs, 4, 10) == 150
     # a window after the free: live 100+50-50 = 100, then +20 -> 120
     assert peak_in_window(recs, 7, 10) == 120
     # a window ending before the +20: 100 live all along
     assert peak_in_window(recs, 6.5, 6.9) == 100
     # no record inside the window: what is live then
-    assert peak_in_window([(1, 100), (2, -30)], 5, 9) == 70
+    assert peak_in_window([(1, 100, 1), (2, -30, None)], 5, 9) == 70
     # only frees inside the window: the peak is what was live when it opened
-    assert peak_in_window([(1, 100), (5, -50), (6, -20)], 4, 10) == 100
+    assert peak_in_window([(1, 100, 1), (5, -50, None), (6, -20, None)], 4, 10) == 100
+
+
+def test_peak_in_window_drops_a_block_freed_where_the_profiler_did_not_look():
+    """A free on a thread the profiler does not follow is not recorded (seen with a Python
+    thread); malloc giving the address out again proves the block was freed before."""
+    recs = [(1, 100, 0xA0), (2, 40, 0xB0), (3, 60, 0xA0), (6, 10, 0xC0), (7, -40, 0xB0)]
+    # 0xA0's first 100 B were freed unseen before t=3: live 100+40 -> 40+60 = 100, then +10
+    assert peak_in_window(recs, 4, 10) == 110
+    # without addresses every record is believed: 100+40+60+10 = 210
+    assert peak_in_window([(t, b, None) for t, b, _ in recs], 4, 10) == 210
+
+
+def test_allocation_records_see_the_profilers_addresses():
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from topomesh.validate.worker import allocation_records
+
+    box = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        box.append(torch.empty(1 << 16, dtype=torch.uint8))
+        freer = threading.Thread(target=box.clear)  # freed where the profiler does not look
+        freer.start()
+        freer.join()
+        with record_function("topomesh_validate_step"):
+            x = torch.empty(1 << 16, dtype=torch.uint8)
+            del x
+    allocs, windows = allocation_records(prof)
+    assert len(windows) == 1 and windows[0][0] < windows[0][1]
+    sizes = sorted(b for _, b, _ in allocs)
+    assert sizes == [-(1 << 16), 1 << 16, 1 << 16]  # the other thread's free is missing
+    assert all(isinstance(a, int) and a > 0 for _, _, a in allocs)
+    assert peak_in_window(allocs, *windows[0]) <= 2 << 16
 
 
 def test_layout_result_takes_the_median_and_the_largest_rank():

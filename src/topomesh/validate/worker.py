@@ -51,26 +51,57 @@ from topomesh.errors import LayoutError
 from topomesh.models.transformer import Transformer, TransformerConfig
 
 
-def peak_in_window(records: Iterable[tuple[int, int]], start_ns: int, end_ns: int) -> int:
+def peak_in_window(records: Iterable[tuple[int, int, int | None]], start_ns: int, end_ns: int) -> int:
     """Most bytes allocated at once inside ``[start_ns, end_ns]``.
 
-    ``records`` are (time ns, bytes) allocation records in any order, frees negative, from
-    the beginning of the process: what is allocated when the window opens counts.
+    ``records`` are (time ns, bytes, address) allocation records in any order, frees negative,
+    from the beginning of the process: what is allocated when the window opens counts. The
+    profiler records a free only on a thread it follows: a tensor freed on another thread
+    (gloo's, holding a collective's buffers) looks allocated for ever. Such a block is known
+    free once malloc hands its address out again, and is dropped then (address None: no check).
 
-    >>> peak_in_window([(1, 100), (5, 50), (6, -50), (7, 20), (20, 500)], 4, 10)
+    >>> peak_in_window([(1, 100, 1), (5, 50, 2), (6, -50, 2), (7, 20, 3), (20, 500, 4)], 4, 10)
     150
+    >>> peak_in_window([(1, 100, 1), (5, 100, 1), (6, 30, 2)], 4, 10)  # 1 freed unseen before 5
+    130
     """
     live = peak = 0
     opened = False
-    for t, nbytes in sorted(records):
+    blocks: dict[int, int] = {}  # address -> bytes of the block the records say is there
+    for t, nbytes, address in sorted(records, key=lambda r: r[0]):
         if t > end_ns:
             break
         if t >= start_ns and not opened:
             opened, peak = True, live
+        if address is not None:
+            if nbytes > 0:
+                live -= blocks.pop(address, 0)  # still "live": freed where the profiler did not look
+                blocks[address] = nbytes
+            else:
+                blocks.pop(address, None)
         live += nbytes
         if opened:
             peak = max(peak, live)
     return peak if opened else live
+
+
+def allocation_records(prof: Any) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """(time ns, bytes, address) of every allocation and free ``prof`` recorded, and the
+    (start, end) ns of each ``topomesh_validate_step`` range, from the profiler's event tree."""
+    from torch._C._profiler import _EventType
+
+    allocations: list[tuple[int, int, int]] = []
+    windows: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation:
+            f = e.extra_fields
+            allocations.append((e.start_time_ns, int(f.alloc_size), int(f.ptr)))
+        elif e.name == "topomesh_validate_step":
+            windows.append((e.start_time_ns, e.end_time_ns))
+    return allocations, sorted(windows)
 
 
 class StageModel(Transformer):
@@ -188,11 +219,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             else:
                 one_step()
         dist.barrier()
-    events = prof.profiler.kineto_results.events()
-    window = [(e.start_ns(), e.end_ns()) for e in events if e.name() == "topomesh_validate_step"]
-    mem = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+    mem, window = allocation_records(prof)
     peak = peak_in_window(mem, *window[-1]) if window else 0
-    del prof, events, mem
+    del prof, mem
     times: list[float] = []
     cpu: list[float] = []
     faults: list[int] = []
