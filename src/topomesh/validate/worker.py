@@ -22,7 +22,8 @@ Measurement: ``torch.set_num_threads(threads)`` in every process (and one inter-
 ``warmup`` steps discarded, the first of them a full first step (lazy init, optimizer
 state) and the last recorded by the profiler with ``profile_memory=True``: the peak of
 PyTorch's own allocation records inside that step (:func:`peak_in_window`), counted from
-the start of the process so parameters and optimizer state are in it. Then ``steps`` timed
+the start of the process so parameters and optimizer state are in it, with the blocks other
+threads freed unseen dropped when their address is reused (:func:`allocation_records`). Then ``steps`` timed
 steps, each started after a barrier and timed on every rank; a step's time is the slowest
 rank's (all-reduce MAX), wall clock, and so is its CPU time (``time.process_time``: every
 thread of the process, gloo's included) — on a machine others load, the CPU time shows
