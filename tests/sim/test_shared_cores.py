@@ -164,15 +164,16 @@ def test_fsdp_backward_holds_the_gradient_reduction_buffers(model):
 
 
 def test_fsdp_host_work_splits_into_per_unit_and_per_gather(monkeypatch):
-    """8 one-layer units: replicate-only, 8 all-reduces and no all-gather; sharded, each unit
-    all-gathers in forward and again in backward (resharded after forward) and reduce-scatters
-    once: 16 and 8. With the unsharded model at 1 s, replicate-only 8 x 0.5 ms above it and
-    sharded a further 16 x 0.1 ms: 0.5 ms a unit, 0.1 ms an all-gather."""
+    """8 transformer blocks and the root (embeddings, norm, head) as FSDP2 units: replicate-only,
+    9 all-reduces and no all-gather; sharded, every unit all-gathers in forward, the 8 blocks
+    again in backward (resharded after forward; FSDP2 keeps the root's), and each
+    reduce-scatters once: 17 and 9. With the unsharded model at 1 s, replicate-only 9 x 0.5 ms
+    above it and sharded a further 17 x 0.1 ms: 0.5 ms a unit, 0.1 ms an all-gather."""
     import torch
 
     from topomesh.cost import dispatch
 
-    times = iter([1.0, 1.0 + 8 * 0.5e-3, 1.0 + 8 * 0.5e-3 + 16 * 0.1e-3])
+    times = iter([1.0, 1.0 + 9 * 0.5e-3, 1.0 + 9 * 0.5e-3 + 17 * 0.1e-3])
     monkeypatch.setattr(dispatch, "_median_thread_s", lambda fn, **kw: next(times))
     before = torch.get_num_threads()
     try:

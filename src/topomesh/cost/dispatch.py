@@ -25,14 +25,18 @@ FSDP2 (``fully_shard``) runs Python around every unit in every forward and backw
 pre-/post-forward and pre-/post-backward hooks, the all-gather's copy-in and copy-out
 bookkeeping, ``foreach_reduce`` — on the computing thread, besides the collectives (priced by
 the gloo calibration) and the copy ops (in the op table). :func:`measure_fsdp_host_s` times
-forward and backward of ``units`` tiny ``fully_shard`` units with the built-in mixed
-precision (bf16 compute, float32 reduction) on a two-rank fake group, minus the same model
-unsharded, once on a replicate-only mesh (``dp_replicate=2``: no all-gathers, one all-reduce
-per unit) and once sharded (``dp_shard=2``: all-gathers as well), counting the c10d collectives
-each issues. The replicate-only difference per reduction is what a unit costs
-(:func:`fsdp_reduce_s`, paid per FSDP2 reduction of a trace); the extra of the sharded run per
-all-gather is what an all-gather adds (:func:`fsdp_gather_s`). Measured here: 0.69 ms a unit,
-0.09 ms an all-gather (a 0.03 ms Linear(16, 16) forward and backward unsharded).
+forward and backward of the built-in transformer with ``units`` blocks at a tiny width (hidden
+64, 16 tokens: kernels cost next to nothing), each block and the root a ``fully_shard`` unit
+with the built-in mixed precision (bf16 compute, float32 reduction), on a two-rank fake group,
+minus the same model unsharded in bf16; once on a replicate-only mesh (``dp_replicate=2``: no
+all-gathers, one all-reduce per unit) and once sharded (``dp_shard=2``: all-gathers as well),
+counting the c10d collectives each issues. The replicate-only difference per reduction is what
+a unit costs (:func:`fsdp_reduce_s`, paid per FSDP2 reduction of a trace); the extra of the
+sharded run per all-gather is what an all-gather adds (:func:`fsdp_gather_s`). Measured here:
+1.1–1.3 ms a unit, 0.17–0.35 ms an all-gather. Units of a bare ``Linear(16, 16)`` gave 0.5 ms
+and 0.15 ms: the hooks' work grows with what a unit holds (parameters, submodules, the
+arguments whose dtype FSDP2 casts), so the unit measured is the one the built-in parallelize
+wraps.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from pathlib import Path
 from topomesh.cost.devices import cpu_fingerprint, private_cache_dir, write_json_atomic
 from topomesh.errors import CalibrationError
 
-METHOD_VERSION = 1
+METHOD_VERSION = 2
 
 
 def _median_thread_s(fn: Callable[[], None], *, repeats: int, warmup: int = 1) -> float:
@@ -149,23 +153,31 @@ def measure_fsdp_host_s(*, units: int = 8, repeats: int = 30) -> tuple[float, fl
             self.reductions += name.startswith(("c10d._reduce_scatter_base_", "c10d.allreduce_"))
             return func(*args, **(kwargs or {}))
 
+    from topomesh.models.transformer import Arch, Transformer, TransformerConfig
+
+    # the unit the built-in parallelize wraps, a transformer block, at a width where kernels
+    # cost next to nothing: what is left of FSDP2 minus the plain model is host work
+    cfg = TransformerConfig(name="fsdp-host", arch=Arch.LLAMA, n_layers=units, hidden=64, n_heads=4, n_kv_heads=2,
+                            ffn_hidden=128, vocab_size=64, seq_len=16)
+
     def model() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(units)])
+        return Transformer(cfg)
 
-    x = torch.randn(4, 16)
+    x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
 
     def step(m: nn.Module) -> Callable[[], None]:
-        return lambda: m(x).sum().backward()
+        return lambda: m(x).float().sum().backward()
 
-    plain = _median_thread_s(step(model()), repeats=repeats, warmup=3)
+    # the plain model computes in bfloat16 as FSDP2's mixed precision does
+    plain = _median_thread_s(step(model().to(torch.bfloat16)), repeats=repeats, warmup=3)
     runs = {}
     for dims, names in (([2, 1], ["dp_replicate", "dp_shard"]), ([2], ["dp_shard"])):
         with fake_process_group(2):
             mesh = groups.init_mesh("cpu", dims, names)
             m = model()
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for block in m:
+            for block in m.layers.values():
                 fully_shard(block, mesh=mesh, mp_policy=mp)
             fully_shard(m, mesh=mesh, mp_policy=mp)
             took = _median_thread_s(step(m), repeats=repeats, warmup=3)  # lazy init, first backward
