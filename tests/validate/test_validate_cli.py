@@ -45,7 +45,9 @@ def test_validate_two_layouts(tmp_path):
         # 5x still fails. The tight targets live in benchmarks/RESULTS.md.
         assert -0.8 <= r["cpu_error"] <= 0.5, r
         assert r["predicted_s"] <= 1.5 * r["measured_s"], r
-        assert abs(r["memory_error"]) <= 0.5, r
+        # memory does not wait for a core: on an idle machine -2 % (one rank) and +7 to +10 %
+        # (two); the bound leaves room for the measured peak's own spread
+        assert abs(r["memory_error"]) <= 0.3, r
     errors = [abs(r["error"]) for r in report["layouts"]]
     assert report["mean_abs_error"] == pytest.approx(sum(errors) / 2)
     assert report["max_abs_error"] == pytest.approx(max(errors))
