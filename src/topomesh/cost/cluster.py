@@ -323,21 +323,17 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
 
     import torch
 
-    from topomesh.cost.dispatch import (
-        dtensor_collective_s,
-        dtensor_dispatch_s,
-        fsdp_gather_s,
-        fsdp_reduce_s,
-    )
+    from topomesh.cost.dispatch import dtensor_collective_s, dtensor_dispatch_s, fsdp_host_s
 
     host = Host(hostname=socket.gethostname())
     topo = build_topology([host], default_placement([host], [n]), source="local")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    fsdp_reduce, fsdp_gather = fsdp_host_s(directory=directory)
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
                    collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory),
                    dtensor_collective_s=dtensor_collective_s(directory=directory),
-                   fsdp_reduce_s=fsdp_reduce_s(directory=directory), fsdp_gather_s=fsdp_gather_s(directory=directory))
+                   fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather)
 
 
 # ------------------------------------------------------------------ topology files

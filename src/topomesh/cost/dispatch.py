@@ -31,8 +31,8 @@ with the built-in mixed precision (bf16 compute, float32 reduction), on a two-ra
 minus the same model unsharded in bf16; once on a replicate-only mesh (``dp_replicate=2``: no
 all-gathers, one all-reduce per unit) and once sharded (``dp_shard=2``: all-gathers as well),
 counting the c10d collectives each issues. The replicate-only difference per reduction is what
-a unit costs (:func:`fsdp_reduce_s`, paid per FSDP2 reduction of a trace); the extra of the
-sharded run per all-gather is what an all-gather adds (:func:`fsdp_gather_s`). Measured here:
+a unit costs (paid per FSDP2 reduction of a trace); the extra of the sharded run per
+all-gather is what an all-gather adds (both kept by :func:`fsdp_host_s`). Measured here:
 1.1–1.3 ms a unit, 0.17–0.35 ms an all-gather. Units of a bare ``Linear(16, 16)`` gave 0.5 ms
 and 0.15 ms: the hooks' work grows with what a unit holds (parameters, submodules, the
 arguments whose dtype FSDP2 casts), so the unit measured is the one the built-in parallelize
@@ -136,6 +136,7 @@ def measure_fsdp_host_s(*, units: int = 8, repeats: int = 30) -> tuple[float, fl
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from topomesh.layout import groups
+    from topomesh.models.transformer import Arch, Transformer, TransformerConfig
     from topomesh.trace.tracer import fake_process_group
 
     if dist.is_initialized():
@@ -152,8 +153,6 @@ def measure_fsdp_host_s(*, units: int = 8, repeats: int = 30) -> tuple[float, fl
             self.gathers += name.startswith("c10d._allgather_base_")
             self.reductions += name.startswith(("c10d._reduce_scatter_base_", "c10d.allreduce_"))
             return func(*args, **(kwargs or {}))
-
-    from topomesh.models.transformer import Arch, Transformer, TransformerConfig
 
     # the unit the built-in parallelize wraps, a transformer block, at a width where kernels
     # cost next to nothing: what is left of FSDP2 minus the plain model is host work
@@ -172,7 +171,7 @@ def measure_fsdp_host_s(*, units: int = 8, repeats: int = 30) -> tuple[float, fl
     # the plain model computes in bfloat16 as FSDP2's mixed precision does
     plain = _median_thread_s(step(model().to(torch.bfloat16)), repeats=repeats, warmup=3)
     runs = {}
-    for dims, names in (([2, 1], ["dp_replicate", "dp_shard"]), ([2], ["dp_shard"])):
+    for label, dims, names in (("replicate", [2, 1], ["dp_replicate", "dp_shard"]), ("sharded", [2], ["dp_shard"])):
         with fake_process_group(2):
             mesh = groups.init_mesh("cpu", dims, names)
             m = model()
@@ -184,47 +183,43 @@ def measure_fsdp_host_s(*, units: int = 8, repeats: int = 30) -> tuple[float, fl
             count = Collectives()
             with count:
                 step(m)()
-            runs[names[-1] if len(names) == 1 else "replicate"] = (took - plain, count.gathers, count.reductions)
+            runs[label] = (took - plain, count.gathers, count.reductions)
     extra, _, reductions = runs["replicate"]
     per_unit = max(0.0, extra / max(reductions, 1))
-    sharded, gathers, reductions = runs["dp_shard"]
+    sharded, gathers, reductions = runs["sharded"]
     per_gather = max(0.0, (sharded - per_unit * reductions) / max(gathers, 1))
     return per_unit, per_gather
 
 
-def fsdp_reduce_s(*, directory: Path | None = None, refresh: bool = False) -> float:
-    """Host seconds of one FSDP2 unit's forward and backward, paid per FSDP2 reduction
-    (:func:`measure_fsdp_host_s`), cached as :func:`dtensor_dispatch_s` is."""
-    return _cached("fsdp-reduce", "fsdp_reduce_s", lambda: measure_fsdp_host_s()[0],
-                   "thread CPU time, FSDP2 (dp_replicate=2 fake group) minus plain, per all-reduce", directory, refresh)
-
-
-def fsdp_gather_s(*, directory: Path | None = None, refresh: bool = False) -> float:
-    """Host seconds an FSDP2 all-gather adds (:func:`measure_fsdp_host_s`), cached."""
-    return _cached("fsdp-gather", "fsdp_gather_s", lambda: measure_fsdp_host_s()[1],
-                   "thread CPU time, FSDP2 dp_shard=2 minus dp_replicate=2 (fake groups), per all-gather",
-                   directory, refresh)
+def fsdp_host_s(*, directory: Path | None = None, refresh: bool = False) -> tuple[float, float]:
+    """(seconds per FSDP2 reduction, seconds per FSDP2 all-gather): :func:`measure_fsdp_host_s`,
+    one measurement kept as :func:`dtensor_dispatch_s` keeps its own (``devices/fsdp-host-<hash>.json``)."""
+    got = _cached("fsdp-host", ("fsdp_reduce_s", "fsdp_gather_s"), measure_fsdp_host_s,
+                  "thread CPU time, FSDP2 minus plain on 2-rank fake groups: dp_replicate=2 per all-reduce, "
+                  "dp_shard=2 beyond that per all-gather", directory, refresh)
+    return got[0], got[1]
 
 
 def dtensor_dispatch_s(*, directory: Path | None = None, refresh: bool = False) -> float:
     """:func:`measure_dtensor_dispatch_s`, cached per CPU fingerprint and torch version in the
     private cache directory (``devices/dispatch-<hash>.json``)."""
-    return _cached("dispatch", "dtensor_dispatch_s", measure_dtensor_dispatch_s,
-                   "thread CPU time, DTensor minus plain, per op (fwd+bwd chain)", directory, refresh)
+    return _cached("dispatch", ("dtensor_dispatch_s",), lambda: (measure_dtensor_dispatch_s(),),
+                   "thread CPU time, DTensor minus plain, per op (fwd+bwd chain)", directory, refresh)[0]
 
 
 def dtensor_collective_s(*, directory: Path | None = None, refresh: bool = False) -> float:
     """:func:`measure_dtensor_collective_s`, cached as :func:`dtensor_dispatch_s` is
     (``devices/collective-host-<hash>.json``)."""
-    return _cached("collective-host", "dtensor_collective_s", measure_dtensor_collective_s,
+    return _cached("collective-host", ("dtensor_collective_s",), lambda: (measure_dtensor_collective_s(),),
                    "thread CPU time of a redistribute with autograd on a 2-rank fake group, median of "
-                   "all-gather, reduce-scatter, all-reduce", directory, refresh)
+                   "all-gather, reduce-scatter, all-reduce", directory, refresh)[0]
 
 
-def _cached(stem: str, name: str, measure: Callable[[], float], method: str, directory: Path | None,
-            refresh: bool) -> float:
-    """``measure()`` kept in ``devices/<stem>-<hash>.json`` per CPU fingerprint, torch version and
-    method version; measured again when missing, unreadable or ``refresh``."""
+def _cached(stem: str, names: tuple[str, ...], measure: Callable[[], tuple[float, ...]], method: str,
+            directory: Path | None, refresh: bool) -> tuple[float, ...]:
+    """``measure()`` (one figure per name) kept in ``devices/<stem>-<hash>.json`` per CPU
+    fingerprint, torch version and method version; measured again when missing, unreadable or
+    ``refresh``."""
     import torch
 
     key = f"{cpu_fingerprint()} torch {torch.__version__} v{METHOD_VERSION}"
@@ -236,11 +231,11 @@ def _cached(stem: str, name: str, measure: Callable[[], float], method: str, dir
     if path is not None and path.is_file() and not refresh:
         try:
             raw = json.loads(path.read_text())
-            if raw.get("key") == key and isinstance(raw.get(name), float):
-                return float(raw[name])
+            if raw.get("key") == key and all(isinstance(raw.get(n), float) for n in names):
+                return tuple(float(raw[n]) for n in names)
         except (OSError, json.JSONDecodeError):
             pass  # unreadable: measure again and overwrite
-    seconds = measure()
+    seconds = tuple(measure())
     if path is not None:
-        write_json_atomic(path, {"key": key, name: seconds, "method": method})
+        write_json_atomic(path, {"key": key, **dict(zip(names, seconds, strict=True)), "method": method})
     return seconds
