@@ -50,7 +50,8 @@ class Stream(StrEnum):
 _DP_AXES = (Axis.DP_SHARD.value, Axis.DP_REPLICATE.value)
 FUNCTIONAL = "_c10d_functional."
 """The op prefix of collectives DTensor (and expert parallel's all-to-all) issue; FSDP2's are
-plain ``c10d.`` ops. Each pays :attr:`Cluster.dtensor_collective_s` on the computing thread."""
+plain ``c10d.`` ops. Each pays :attr:`Cluster.dtensor_collective_s` on the computing thread
+(:meth:`Pricer._host_s`; all such costs are 0 on GPU presets)."""
 PLAIN = "c10d."
 """The op prefix of FSDP2's collectives: a reduction in backward pays
 :attr:`Cluster.fsdp_reduce_s` (its unit's hooks), an all-gather :attr:`Cluster.fsdp_gather_s`."""
@@ -167,6 +168,7 @@ class Pricer:
         gather: list[CollectiveRecord] = []
         reduce: list[CollectiveRecord] = []
         shared = self.cluster.collectives_share_compute
+        host = any((self.cluster.dtensor_collective_s, self.cluster.fsdp_reduce_s, self.cluster.fsdp_gather_s))
         seen: dict[int, tuple[float, bool, bool] | None] = {}  # per record object: traces repeat them
         for seg in segments:
             saved += seg.saved_bytes
@@ -193,10 +195,8 @@ class Pricer:
                     if matmul_grad:
                         weight += s / 2
                 elif e.group_size > 1:
-                    if self.cluster.dtensor_collective_s and e.op.startswith(FUNCTIONAL):
-                        compute += self.cluster.dtensor_collective_s * self.cluster.core_share  # issued by DTensor
-                    elif e.op.startswith(PLAIN):
-                        compute += self._fsdp_host_s(e)
+                    if host:
+                        compute += self._host_s(e)
                     if is_param_collective(e) and e.kind is not CollectiveKind.ALL_GATHER and e.phase is not Phase.OPTIMIZER:
                         reduced += e.bytes
                     if shared:
@@ -211,20 +211,30 @@ class Pricer:
                     else:
                         blocking.append(e)
         extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]
-        compute += sum(self._fsdp_host_s(e) for e in extra if e.op.startswith(PLAIN))  # prefetched here
+        if host:
+            compute += sum(self._host_s(e) for e in extra)  # prefetched here
         (blocking if shared else gather).extend(extra)
         gathered += sum(e.bytes for e in extra)
         return Digest(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
                       flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
                       gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline)
 
-    def _fsdp_host_s(self, e: CollectiveRecord) -> float:
-        """FSDP2's host work on the computing thread for its collective ``e``."""
-        if e.kind is CollectiveKind.ALL_GATHER:
-            return self.cluster.fsdp_gather_s * self.cluster.core_share
-        if e.phase is Phase.BACKWARD and e.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE):
-            return self.cluster.fsdp_reduce_s * self.cluster.core_share
-        return 0.0
+    def _host_s(self, e: CollectiveRecord) -> float:
+        """Host work on the computing thread around collective ``e``, besides its transfer:
+        DTensor's for its functional collectives, FSDP2's per all-gather and per reduction
+        (a unit's hooks) for its plain c10d ones."""
+        c = self.cluster
+        if e.op.startswith(FUNCTIONAL):
+            seconds = c.dtensor_collective_s
+        elif not e.op.startswith(PLAIN):
+            seconds = 0.0
+        elif e.kind is CollectiveKind.ALL_GATHER:
+            seconds = c.fsdp_gather_s
+        elif e.phase is Phase.BACKWARD and e.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE):
+            seconds = c.fsdp_reduce_s
+        else:
+            seconds = 0.0
+        return seconds * c.core_share
 
     def _op_cost(self, e: OpRecord) -> tuple[float, bool, bool]:
         """(seconds with DTensor dispatch, from the op table?, a backward matmul?) of one op."""
