@@ -220,3 +220,22 @@ def test_pipeline_runs_keep_no_outputs(monkeypatch):
     step = worker._pipeline_step(torch.nn.Linear(2, 2), FakeMesh(), 1, 2, 4, Training(global_batch=4))
     step(torch.zeros(4, 2, dtype=torch.long))
     assert calls and calls[0]["return_outputs"] is False and calls[0]["target"] is not None
+
+
+def test_a_failed_child_is_one_error_naming_what_and_its_cause(monkeypatch):
+    import subprocess
+
+    from topomesh.layout.api import resolve_layout
+    from topomesh.sim.simulate import Training
+    from topomesh.validate import run as vrun
+
+    def fake_run(cmd, env, **kw):  # noqa: ANN001, ANN003, ANN202
+        return subprocess.CompletedProcess(cmd, 1, "", "USDT noise\nRuntimeError: boom\nlast words\n")
+
+    monkeypatch.setattr(vrun.subprocess, "run", fake_run)
+    with pytest.raises(vrun.ValidateError, match=r"real run of layout .* failed \(exit 1\): RuntimeError: boom"):
+        vrun.measure("tiny-llama", None, resolve_layout({"dp_shard": 2}, 2), Training(global_batch=4), steps=1,
+                     warmup=2, threads=1)
+    with pytest.raises(vrun.ValidateError, match=r"ops in their steps failed \(exit 1\).*last words"):
+        vrun.in_step_tables("tiny-llama", None, [("tp=2", resolve_layout({"tp": 2}, 2))], Training(global_batch=4),
+                            threads=1)

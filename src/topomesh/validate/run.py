@@ -176,20 +176,8 @@ def in_step_tables(model: str, seq_len: int | None, layouts: Sequence[tuple[str,
     if not items:
         return {}
     spec = {"model": model, "seq_len": seq_len, "threads": threads, "training": _knobs(training), "layouts": items}
-    with tempfile.TemporaryDirectory(prefix="topomesh-instep-") as tmp:
-        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_file.write_text(json.dumps(spec))
-        cmd = [sys.executable, "-m", "topomesh.cost.instep", "--spec", str(spec_file), "--out", str(out_file)]
-        try:
-            proc = subprocess.run(cmd, env=_child_env(threads), capture_output=True, text=True, timeout=timeout_s,
-                                  check=False)
-        except subprocess.TimeoutExpired:
-            raise ValidateError(f"timing the layouts' ops in their steps took more than {timeout_s:.0f} s.") from None
-        if proc.returncode != 0 or not out_file.is_file():
-            lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
-            raise ValidateError(f"timing the layouts' ops in their steps failed (exit {proc.returncode}): "
-                                + " | ".join(lines[-3:]))
-        return read_result(out_file)
+    return _run_child("timing the layouts' ops in their steps", spec, lambda tmp: ["-m", "topomesh.cost.instep"],
+                      read_result, threads=threads, timeout_s=timeout_s)
 
 
 def _knobs(training: Any) -> dict[str, Any]:
@@ -213,24 +201,34 @@ def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, step
     degrees = {a.value: layout.degree(a) for a in layout.order}
     spec = {"model": model, "seq_len": seq_len, "degrees": degrees, "order": layout.order_text(),
             "threads": threads, "warmup": warmup, "steps": steps, "training": _knobs(training)}
+
+    def argv(tmp: Path) -> list[str]:
+        return ["-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
+                "--log-dir", str(tmp / "logs"), "--topology", "off", "-m", "topomesh.validate.worker"]
+
+    return _run_child(f"the real run of layout {layout.describe()}", spec, argv, lambda out: json.loads(out.read_text()),
+                      threads=threads, timeout_s=timeout_s, hint="; give fewer --steps or a smaller model")
+
+
+def _run_child(what: str, spec: dict[str, Any], argv: Callable[[Path], list[str]], read: Callable[[Path], Any], *,
+               threads: int, timeout_s: float, hint: str = "") -> Any:
+    """Run ``python argv(tmp) --spec SPEC --out OUT`` in a private temporary directory with the
+    real runs' environment (:func:`_child_env`); ``read(OUT)``, or a :class:`ValidateError`
+    naming ``what`` with the child's last words."""
     with tempfile.TemporaryDirectory(prefix="topomesh-validate-") as tmp:
-        spec_file, out_file, logs = Path(tmp) / "spec.json", Path(tmp) / "out.json", Path(tmp) / "logs"
+        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_file.write_text(json.dumps(spec))
-        env = _child_env(threads)
-        cmd = [sys.executable, "-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
-               "--log-dir", str(logs), "--topology", "off", "-m", "topomesh.validate.worker",
-               "--spec", str(spec_file), "--out", str(out_file)]
+        cmd = [sys.executable, *argv(Path(tmp)), "--spec", str(spec_file), "--out", str(out_file)]
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+            proc = subprocess.run(cmd, env=_child_env(threads), capture_output=True, text=True, timeout=timeout_s,
+                                  check=False)
         except subprocess.TimeoutExpired:
-            raise ValidateError(f"the real run of layout {layout.describe()} took more than {timeout_s:.0f} s; "
-                                "give fewer --steps or a smaller model.") from None
+            raise ValidateError(f"{what} took more than {timeout_s:.0f} s{hint}.") from None
         if proc.returncode != 0 or not out_file.is_file():
             lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
             causes = [ln for ln in lines if "Error" in ln or "terminate" in ln or "error:" in ln][:2]
-            raise ValidateError(f"the real run of layout {layout.describe()} failed (exit {proc.returncode}): "
-                                + " | ".join(causes + lines[-3:]))
-        return json.loads(out_file.read_text())
+            raise ValidateError(f"{what} failed (exit {proc.returncode}): " + " | ".join(causes + lines[-3:]))
+        return read(out_file)
 
 
 def layout_result(spec_text: str, prediction: Any, record: dict[str, Any]) -> LayoutResult:
