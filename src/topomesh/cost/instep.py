@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -102,23 +103,24 @@ def time_nodes(gm: torch.fx.GraphModule, args: list[Any], *, repeats: int = REPE
     times: dict[torch.fx.Node, list[int]] = defaultdict(list)
 
     class Timed(torch.fx.Interpreter):
-        def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:  # noqa: D102
-            t0 = clock()
-            out = target(*args, **kwargs)
-            self._took = clock() - t0
-            return out
+        def __init__(self, into: dict | None) -> None:
+            super().__init__(gm)  # frees each value after its last use, as the step does
+            self.into = into
 
         def run_node(self, n: torch.fx.Node) -> Any:  # noqa: D102
-            self._took = None
-            out = super().run_node(n)
-            if self._took is not None and record:
-                times[n].append(self._took)
+            if n.op != "call_function":
+                return super().run_node(n)
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            t0 = clock()
+            out = n.target(*args, **kwargs)
+            took = clock() - t0
+            if self.into is not None:
+                self.into[n].append(took)
             return out
 
     with torch.no_grad():
         for i in range(warmup + repeats):
-            record = i >= warmup
-            Timed(gm).run(*args)
+            Timed(times if i >= warmup else None).run(*args)
     return {n: statistics.median(ts) / 1e9 for n, ts in times.items()}
 
 
@@ -169,10 +171,7 @@ def run(spec: Mapping[str, Any]) -> dict[str, list]:
     result: dict[str, list] = {}
     for item in spec["layouts"]:
         degrees = {str(k): int(v) for k, v in item["degrees"].items()}
-        world = 1
-        for d in degrees.values():
-            world *= d
-        layout = resolve_layout(degrees, world, order=item.get("order"))
+        layout = resolve_layout(degrees, math.prod(degrees.values()), order=item.get("order"))
         (mspec, parallelize, traced), kw = trace_request(model, layout, training)
         table = in_step_times(mspec, parallelize, traced, batch_size=kw["batch_size"], dtype=kw["dtype"],
                               repeats=int(spec.get("repeats", REPEATS)))

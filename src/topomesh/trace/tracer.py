@@ -881,7 +881,7 @@ def _liveness(
         saved[seg] = saved.get(seg, 0) + nbytes
     changes: dict[int, list[tuple[int, int]]] = {}
     for ref, (seg, first, nbytes) in born.items():
-        if ref not in leaves and ref not in owner:
+        if ref not in leaves:  # what backward keeps has a reader there: it leaves too
             changes.setdefault(seg, []).extend([(2 * first, nbytes), (2 * dies[ref] + 1, -nbytes)])
     peak: dict[int, int] = {}
     for seg, events in changes.items():
