@@ -33,7 +33,7 @@ all-gathers, one all-reduce per unit) and once sharded (``dp_shard=2``: all-gath
 counting the c10d collectives each issues. The replicate-only difference per reduction is what
 a unit costs (paid per FSDP2 reduction of a trace); the extra of the sharded run per
 all-gather is what an all-gather adds (both kept by :func:`fsdp_host_s`). Measured here:
-1.1–1.3 ms a unit, 0.17–0.35 ms an all-gather. Units of a bare ``Linear(16, 16)`` gave 0.5 ms
+0.9–1.3 ms a unit, 0.1–0.4 ms an all-gather (five measurements). Units of a bare ``Linear(16, 16)`` gave 0.5 ms
 and 0.15 ms: the hooks' work grows with what a unit holds (parameters, submodules, the
 arguments whose dtype FSDP2 casts), so the unit measured is the one the built-in parallelize
 wraps.
