@@ -185,7 +185,7 @@ def _write_profile(folder: Path, name: str, measured_at: str, host: str) -> None
                     "terms": [{"alpha_us": 50.0, "hop_us": 0.0, "busbw_GBps": 2.0, "bw_scale": 1.0,
                                "upto_bytes": None}]}],
     }
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     (folder / f"{name}.json").write_text(json.dumps(raw))
 
 
@@ -211,6 +211,42 @@ def test_local_uses_the_newest_calibration_of_this_host(tmp_path, monkeypatch):
     ar = CollectiveRecord(kind=CollectiveKind.ALL_REDUCE, bytes=2 * 10**9, group_size=2)
     assert group_collective_time_s(ar, link, c.profile) == pytest.approx(1.00005, rel=1e-9)
     assert load_cluster("local", gpus=4).world_size == 4
+
+
+def test_local_profiles_come_only_from_a_private_directory(tmp_path, monkeypatch, capsys):
+    # the simulator trusts a saved profile: one another user could write must not be read,
+    # and `topomesh calibrate` must not create its folder open to others (it once did: 0755)
+    from topomesh.cli.main import main
+    from topomesh.cost.calibrate import default_profile_path
+
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path / "fresh"))
+    path = default_profile_path("abc")
+    assert path == tmp_path / "fresh" / "collectives" / "abc.json"
+    assert [oct(p.stat().st_mode & 0o777) for p in (path.parent.parent, path.parent)] == ["0o700", "0o700"]
+
+    shared = tmp_path / "shared"
+    _write_profile(shared / "collectives", "new", "2025-01-01T00:00:00Z", socket.gethostname())
+    shared.chmod(0o700)
+    (shared / "collectives").chmod(0o775)
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(shared))
+    with pytest.raises(ClusterError, match=f"cache directory '{shared / 'collectives'}' has mode 0775"):
+        load_cluster("local")
+    started = time.monotonic()
+    assert main(["calibrate", "--local", "2"]) == 2  # refused before any process starts
+    assert time.monotonic() - started < 5
+    assert "has mode 0775" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(20)
+def test_local_profiles_are_read_bounded(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
+    _write_profile(tmp_path / "collectives", "good", "2025-01-01T00:00:00Z", socket.gethostname())
+    os.mkfifo(tmp_path / "collectives" / "a-fifo.json")  # opening it for reading would wait for a writer
+    (tmp_path / "collectives" / "to-zero.json").symlink_to("/dev/zero")  # reading it would never end
+    assert load_cluster("local").profile.name == "good"
 
 
 def test_axis_link_sees_a_last_group_that_crosses_hosts():

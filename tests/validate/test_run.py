@@ -239,3 +239,23 @@ def test_a_failed_child_is_one_error_naming_what_and_its_cause(monkeypatch):
     with pytest.raises(vrun.ValidateError, match=r"ops in their steps failed \(exit 1\).*last words"):
         vrun.in_step_tables("tiny-llama", None, [("tp=2", resolve_layout({"tp": 2}, 2))], Training(global_batch=4),
                             threads=1)
+
+
+def test_a_shared_cache_directory_is_named_before_any_calibration_starts(tmp_path, monkeypatch):
+    # it used to be swallowed as "no profile", then a calibration child died with "rank 0 exited with 2"
+    from topomesh.errors import CalibrationError
+    from topomesh.validate import run
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    (shared / "collectives").mkdir(mode=0o700)
+    (shared / "collectives").chmod(0o770)
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(shared))
+    from topomesh.cost import calibrate
+
+    def spawn(*_a, **_k):
+        raise AssertionError("a calibration started")
+
+    monkeypatch.setattr(calibrate, "spawn_local", spawn)
+    with pytest.raises(CalibrationError, match=f"'{shared / 'collectives'}' has mode 0770"):
+        run.ensure_collectives(2, timeout_s=5)

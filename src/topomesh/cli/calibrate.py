@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from topomesh.cli.argtypes import MAX_RANKS_PER_HOST, bounded_int, positive_seconds
-from topomesh.cost.calibrate import add_sweep_arguments, config_from_args, spawn_local, worker
+from topomesh.cost.calibrate import (
+    add_sweep_arguments,
+    config_from_args,
+    profile_directory,
+    spawn_local,
+    worker,
+)
 from topomesh.cost.collectives import builtin_profile, builtin_profile_names, load_profile
 from topomesh.errors import CalibrationError
 
@@ -90,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
             _print_table(f"{prof.name} ({prof.backend}): {prof.source}", data["models"])
         return 0
     config_from_args(args)  # bad sweep options fail here, before any process starts
+    if args.output is None:
+        profile_directory()  # and a cache directory we may not use
     if args.local is not None:
         result = spawn_local(args.local, _worker_argv(args), timeout_s=args.timeout)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from topomesh.cost.collectives import CollectiveProfile, Sample, fit_collective
-from topomesh.cost.devices import cache_dir, write_json_atomic
+from topomesh.cost.devices import private_cache_dir, write_json_atomic
 from topomesh.errors import CalibrationError
 from topomesh.topology.model import LinkKind
 from topomesh.trace.graph import CollectiveKind
@@ -311,8 +311,16 @@ def cluster_fingerprint(ranks: Sequence[tuple[str, str]], backend: str) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
+def profile_directory(root: Path | None = None) -> Path:
+    """Where ``topomesh calibrate`` saves a profile without ``--output`` and the ``local``
+    cluster reads them: ``<cache dir>/collectives``, each level created 0700 and refused when
+    another user could write it (:func:`~topomesh.cost.devices.private_cache_dir`): the
+    simulator trusts what it reads there."""
+    return private_cache_dir("collectives", root=root)
+
+
 def default_profile_path(fingerprint: str) -> Path:
-    return cache_dir() / "collectives" / f"{fingerprint}.json"
+    return profile_directory() / f"{fingerprint}.json"
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -352,6 +360,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "RANK/WORLD_SIZE are not set: run under torchrun or `topomesh launch` "
             "(… -m topomesh.cost.calibrate), or use `topomesh calibrate --local N`"
         )
+    if args.output is None and os.environ["RANK"] == "0":
+        profile_directory()  # a cache directory we may not use fails here, not after the sweep
     backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     device = "cpu"
     if backend == "nccl":

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from topomesh.cost.calibrate import default_profile_path
+from topomesh.cost.calibrate import profile_directory
 from topomesh.cost.collectives import (
     CollectiveProfile,
     builtin_profile,
@@ -46,7 +46,6 @@ from topomesh.cost.collectives import (
     collective_time_s,
     hierarchical_time_s,
     load_profile,
-    profile_from_dict,
 )
 from topomesh.cost.devices import (
     DeviceSpec,
@@ -285,13 +284,16 @@ def local_profile(directory: Path | None = None, hostname: str | None = None) ->
     ``--output``) for profiles measured with gloo on exactly this host. There is no built-in
     gloo profile: without one, :class:`ClusterError` says to run the calibration.
     """
-    folder = directory / "collectives" if directory is not None else default_profile_path("any").parent
+    try:
+        folder = profile_directory(directory)
+    except CalibrationError as exc:
+        raise ClusterError(f"the local cluster's collective profiles: {exc}") from None
     host = hostname or socket.gethostname()
     found: list[tuple[str, Path, CollectiveProfile]] = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    for path in sorted(folder.glob("*.json")):
         try:
-            prof = profile_from_dict(json.loads(path.read_text()), source=str(path))
-        except (OSError, json.JSONDecodeError, CalibrationError):
+            prof = load_profile(path)  # bounded and checked
+        except CalibrationError:
             continue  # not a profile, or one of an older format: not this machine's measurement
         meta = prof.meta
         if prof.backend == "gloo" and list(meta.get("hosts", [])) == [host]:

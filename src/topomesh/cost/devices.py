@@ -32,7 +32,7 @@ from typing import Any
 
 from topomesh.errors import CalibrationError
 from topomesh.privdir import private_directory
-from topomesh.topology.api import write_atomic
+from topomesh.topology.api import read_json, write_atomic
 from topomesh.topology.model import DeviceKind
 
 CACHE_ENV = "TOPOMESH_CACHE_DIR"
@@ -359,10 +359,10 @@ def cpu_spec(*, directory: Path | None = None, refresh: bool = False, **measure:
         path = None
     if not refresh and path is not None and path.is_file():
         try:
-            raw = json.loads(path.read_text())
+            raw = read_json(path, what="CPU spec cache", error=CalibrationError)
             if raw.get("sources", {}).get("method_version") == str(CPU_SPEC_VERSION):
                 return DeviceSpec.from_dict(raw, source=str(path))
-        except (OSError, json.JSONDecodeError, CalibrationError):
+        except (CalibrationError, AttributeError):
             pass  # unreadable cache: measure again and overwrite it
     spec = measure_cpu(**measure)
     if path is not None:

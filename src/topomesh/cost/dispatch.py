@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from pathlib import Path
 
 from topomesh.cost.devices import cpu_fingerprint, private_cache_dir, write_json_atomic
 from topomesh.errors import CalibrationError
+from topomesh.topology.api import read_json
 
 METHOD_VERSION = 2
 
@@ -230,11 +230,11 @@ def _cached(stem: str, names: tuple[str, ...], measure: Callable[[], tuple[float
         path = None
     if path is not None and path.is_file() and not refresh:
         try:
-            raw = json.loads(path.read_text())
+            raw = read_json(path, what="host-cost cache", error=CalibrationError)
             if raw.get("key") == key and all(isinstance(raw.get(n), float) for n in names):
                 return tuple(float(raw[n]) for n in names)
-        except (OSError, json.JSONDecodeError):
-            pass  # unreadable: measure again and overwrite
+        except (CalibrationError, AttributeError):
+            pass  # unreadable, oversized or not an object: measure again and overwrite
     seconds = tuple(measure())
     if path is not None:
         write_json_atomic(path, {"key": key, **dict(zip(names, seconds, strict=True)), "method": method})

@@ -134,10 +134,11 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     16 MiB) when none is saved, the newest measured fewer ranks than ``world``, or it reduced
     its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
     before 2026-11-25)."""
-    from topomesh.cost.calibrate import STATISTIC, spawn_local
+    from topomesh.cost.calibrate import STATISTIC, profile_directory, spawn_local
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
 
+    profile_directory()  # a cache directory we may not use is named here, not lost in a child's exit
     try:
         prof, path = local_profile()
         if int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC:
