@@ -53,3 +53,36 @@ def test_validate_two_layouts(tmp_path):
     assert report["max_abs_error"] == pytest.approx(max(errors))
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 200 and image.shape[1] > 200
+
+
+@pytest.mark.slow
+def test_pipeline_stages_run_with_tensor_parallel(tmp_path):
+    # pp x tp used to be refused after the calibration and tracing (the stages' outputs were
+    # thought to be DTensors): the built-in plan hands plain local tensors between blocks, and
+    # the last stage's vocab-sharded loss needs loss_parallel, without which it fails
+    from topomesh.sim.simulate import Training
+    from topomesh.validate.run import _knobs
+
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(MODEL))
+    spec = {"model": str(model), "seq_len": None, "degrees": {"pp": 2, "tp": 2}, "threads": 1, "warmup": 2,
+            "steps": 1, "training": _knobs(Training(global_batch=4, micro_batch=1, seq_len=128))}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "-m", "topomesh.validate.worker", "--spec", str(tmp_path / "spec.json"), "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["world_size"] == 4 and record["microbatches"] == 4 and len(record["step_s"]) == 1
+    assert len(record["peak_bytes"]) == 4 and min(record["peak_bytes"]) > 0
+
+
+def test_pipeline_with_context_parallel_is_refused_before_anything_runs():
+    from topomesh.cli.validate import _layouts
+    from topomesh.errors import LayoutError
+
+    with pytest.raises(LayoutError, match="--layouts pp=2,cp=2: validate runs pipeline stages without cp"):
+        _layouts(["pp=2,cp=2"])
+    assert [text for text, _ in _layouts(["pp=2,tp=2", "cp=2"])] == ["pp=2,tp=2", "cp=2"]

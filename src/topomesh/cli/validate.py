@@ -47,11 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _layouts(texts: list[str]) -> list[tuple[str, object]]:
-    from topomesh.layout.dims import Layout, parse_degrees
+    from topomesh.errors import LayoutError
+    from topomesh.layout.dims import Axis, Layout, parse_degrees
+    from topomesh.validate.worker import PP_CP
 
     out = []
     for text in texts:
-        out.append((text, Layout.from_degrees(parse_degrees(text))))
+        layout = Layout.from_degrees(parse_degrees(text))
+        if layout.degree(Axis.PP) > 1 and layout.degree(Axis.CP) > 1:
+            raise LayoutError(f"--layouts {text}: {PP_CP}")
+        out.append((text, layout))
     return out
 
 

@@ -35,6 +35,7 @@ times, the peaks of every rank, the load average before and after, and the threa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -133,6 +134,9 @@ class StageModel(Transformer):
         return h
 
 
+PP_CP = "validate runs pipeline stages without cp (a stage would hand on its ring's sequence shards)."
+
+
 def _load_spec(path: Path) -> dict[str, Any]:
     raw = json.loads(path.read_text())
     if not isinstance(raw, dict):
@@ -176,8 +180,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
 
         layout = resolve_layout(degrees, dist.get_world_size(), order=spec.get("order"))
         pp = layout.degree(Axis.PP)
-        if pp > 1 and (layout.degree(Axis.TP) > 1 or layout.degree(Axis.CP) > 1):
-            raise LayoutError("validate runs pipeline stages without tp or cp (their stage outputs are DTensors).")
+        if pp > 1 and layout.degree(Axis.CP) > 1:
+            raise LayoutError(PP_CP)
         if pp > 1 and training.schedule.multi_stage:
             raise LayoutError(f"validate runs single-stage pipeline schedules (gpipe, 1f1b), not {training.schedule}.")
         mixed = mixed_precision(layout, training)
@@ -202,7 +206,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         if inner is not None and parallelize is not None:
             module = parallelize(module, inner) or module
         optimizer = default_optimizer([p for p in module.parameters() if p.requires_grad])
-        step_fn = _pipeline_step(module, mesh, stage, pp, micro, training) if pp > 1 else _plain_step(module, micro)
+        tp = layout.degree(Axis.TP)
+        step_fn = _pipeline_step(module, mesh, stage, pp, micro, training, tp=tp) if pp > 1 else _plain_step(module, micro)
         g = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, cfg.vocab_size, (training.micro_batch * micro, cfg.seq_len), generator=g)
 
@@ -271,7 +276,13 @@ def _plain_step(module: nn.Module, micro: int) -> Any:
     return step
 
 
-def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int, training: Any) -> Any:
+def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int, training: Any, *,
+                   tp: int = 1) -> Any:
+    """One step of torch's pipeline schedule over this rank's stage. Under tp the blocks hand
+    each other (and so each stage the next) this rank's plain local piece of the residual
+    stream — the built-in plan's styles return local outputs — so stages send plain tensors;
+    only the last stage's vocab-sharded logits are DTensors, whose loss and its backward run
+    under ``loss_parallel`` as in a plain step."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -280,12 +291,16 @@ def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int
     pipe = PipelineStage(module, stage, pp, torch.device("cpu"), group=mesh.get_group("pp"))
     schedule = get_schedule_class(training.schedule.torch_name)(pipe, n_microbatches=micro, loss_fn=causal_lm_loss)
     last = stage == pp - 1
+    sharded_loss = tp > 1 and last
 
     def step(tokens: torch.Tensor) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
         args = (tokens,) if stage == 0 else ()
         # return_outputs=False: by default the last stage keeps every micro-batch's output (the
         # logits) to return them merged, 4.2 MB more at its peak here that training never reads
-        schedule.step(*args, target=tokens if last else None, return_outputs=False)
+        with loss_parallel() if sharded_loss else contextlib.nullcontext():
+            schedule.step(*args, target=tokens if last else None, return_outputs=False)
 
     return step
 
