@@ -74,6 +74,8 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
         small, large = (collective_time_s(CollectiveRecord(kind=kind, bytes=b, group_size=2), LinkKind.SHM, prof)
                         for b in (2**14, 2**22))
         assert 0 < small < large
+    # two processes computing at once on this host: measured, a sane multiple of one alone
+    assert set(prof.meta["compute_stretch"]) == {"2"} and 0.5 < prof.meta["compute_stretch"]["2"] < 5
 
 
 @pytest.mark.slow
@@ -109,3 +111,39 @@ def test_hosts_and_links_come_from_the_topology_file_when_the_launcher_wrote_one
         ((0, 1), "intra", LinkKind.SHM), ((0, 2), "inter", LinkKind.NIC)]
     with pytest.raises(CalibrationError, match="describes 4 ranks but this job has 2"):
         _hosts_and_links(["vm"] * 2, "cpu")
+
+
+def test_the_stretch_is_the_last_rank_over_one_alone():
+    from topomesh.cost.calibrate import stretch_of
+
+    # by hand: repeats end when their last rank does (3.0 and 2.2 s), mean 2.6 s; alone 2.0 s
+    assert stretch_of([2.0, 2.0], [[2.0, 3.0], [2.2, 2.2]]) == pytest.approx(1.3)
+    assert stretch_of([1.0, 1.0, 4.0], [[2.0]]) == pytest.approx(1.0)  # the mean alone (2.0), not the median (1.0)
+
+
+@pytest.mark.parametrize("ranks, counts", [([0, 1, 2, 3], {"2", "4"}), ([0, 1, 2], {"2", "3"}), ([0], set())])
+def test_the_stretch_is_measured_for_every_power_of_two_and_the_host(monkeypatch, ranks, counts):
+    """One process stands in for rank 0 of the host (the collectives faked: every other rank
+    reports the lead's time), so what is checked is which rank counts are measured and that
+    a count's ranks are the ones whose times are compared."""
+    import torch.distributed as dist
+
+    from topomesh.cost import calibrate
+
+    gathered = []
+
+    def all_gather(out, t):
+        for o in out:
+            o.copy_(t)
+        gathered.append(len(out))
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: len(ranks))
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src: None)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    got = calibrate.measure_compute_stretch(ranks, budget_s=0.02)
+    assert set(got) == counts
+    # the same work timed alone and "together" by one process: about 1 (a loaded machine moves it)
+    assert all(0.3 < v < 3 for v in got.values())
+    assert gathered == [len(ranks)] * len(counts) * len(calibrate.STRETCH_SEGMENTS_S)

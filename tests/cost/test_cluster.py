@@ -177,10 +177,10 @@ def test_topology_file_with_named_device_and_repeated_node():
         cluster_from_topology(str(SMI), device="H100-SXM5-80GB", gpus=20)
 
 
-def _write_profile(folder: Path, name: str, measured_at: str, host: str) -> None:
+def _write_profile(folder: Path, name: str, measured_at: str, host: str, **meta: object) -> None:
     raw = {
         "version": 1, "name": name, "backend": "gloo", "source": "topomesh calibrate", "cluster_fingerprint": name,
-        "meta": {"hosts": [host], "world_size": 2, "measured_at": measured_at},
+        "meta": {"hosts": [host], "world_size": 2, "measured_at": measured_at, **meta},
         "models": [{"collective": "all_reduce", "link": "SHM", "model": "alpha_beta", "select": "min",
                     "terms": [{"alpha_us": 50.0, "hop_us": 0.0, "busbw_GBps": 2.0, "bw_scale": 1.0,
                                "upto_bytes": None}]}],
@@ -247,6 +247,20 @@ def test_local_profiles_are_read_bounded(tmp_path, monkeypatch):
     os.mkfifo(tmp_path / "collectives" / "a-fifo.json")  # opening it for reading would wait for a writer
     (tmp_path / "collectives" / "to-zero.json").symlink_to("/dev/zero")  # reading it would never end
     assert load_cluster("local").profile.name == "good"
+
+
+def test_local_takes_the_compute_stretch_measured_for_its_rank_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
+    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
+                   compute_stretch={"2": 1.07, "4": "fast", "8": 0.2})
+    two, three, four, eight = (load_cluster("local", gpus=n) for n in (2, 3, 4, 8))
+    assert (two.compute_stretch, two.compute_share) == (1.07, 1.07)
+    cores = two.cores
+    for c in (three, four, eight):  # not measured, not a number, below 1: the share of cores
+        assert c.compute_stretch is None
+        assert c.compute_share == c.core_share == max(1.0, c.world_size * c.threads_per_rank / cores)
+    assert load_cluster("local", gpus=1).compute_stretch is None  # one rank waits for no one
 
 
 def test_axis_link_sees_a_last_group_that_crosses_hosts():

@@ -40,6 +40,22 @@ def test_shared_cores_stretch_compute(model):
     assert b.breakdown.exposed_comm_s == pytest.approx(a.breakdown.exposed_comm_s, rel=1e-9)
 
 
+def test_a_measured_compute_stretch_prices_compute_and_the_share_collectives(model):
+    # with host work (DTensor's dispatch per op and per collective): computing-thread time too
+    gpu = dataclasses.replace(load_cluster("dgx-h100", gpus=2), dtensor_dispatch_s=1e-4, dtensor_collective_s=2e-4)
+    shared = dataclasses.replace(gpu, cores=1, threads_per_rank=1, collectives_share_compute=True)  # share 2
+    stretched = dataclasses.replace(shared, compute_stretch=2.5)
+    layout, training = Layout(tp=2), Training(global_batch=2)
+    a = Simulator(model=model, cluster=gpu).simulate(layout, training)
+    b = Simulator(model=model, cluster=shared).simulate(layout, training)
+    c = Simulator(model=model, cluster=stretched).simulate(layout, training)
+    assert c.breakdown.compute_s == pytest.approx(2.5 * a.breakdown.compute_s, rel=1e-9)
+    assert c.breakdown.optimizer_s == pytest.approx(2.5 * a.breakdown.optimizer_s, rel=1e-9)
+    # collectives were calibrated with their whole group running: they keep the share of cores
+    assert c.breakdown.exposed_comm_s["tp"] == pytest.approx(b.breakdown.exposed_comm_s["tp"], rel=1e-9)
+    assert b.breakdown.exposed_comm_s["tp"] > 0
+
+
 def test_collectives_on_the_compute_cores_never_overlap(model):
     gpu = load_cluster("dgx-h100", gpus=2)
     cpu_like = dataclasses.replace(gpu, collectives_share_compute=True)

@@ -259,3 +259,30 @@ def test_a_shared_cache_directory_is_named_before_any_calibration_starts(tmp_pat
     monkeypatch.setattr(calibrate, "spawn_local", spawn)
     with pytest.raises(CalibrationError, match=f"'{shared / 'collectives'}' has mode 0770"):
         run.ensure_collectives(2, timeout_s=5)
+
+
+@pytest.mark.parametrize("meta, again", [
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}}, False),
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1}}, True),  # none for 4 ranks
+    ({"world_size": 4, "statistic": "mean"}, True),  # a profile from before the stretch
+    ({"world_size": 2, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}}, True),  # too few ranks
+    ({"world_size": 4, "statistic": "median", "compute_stretch": {"2": 1.1, "4": 1.9}}, True),
+])
+def test_a_profile_without_what_the_layouts_need_is_calibrated_again(tmp_path, monkeypatch, meta, again):
+    from types import SimpleNamespace
+
+    from topomesh.cost import calibrate, cluster
+    from topomesh.validate import run
+
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
+    saved = tmp_path / "saved.json"
+    monkeypatch.setattr(cluster, "local_profile", lambda: (SimpleNamespace(meta=meta), saved))
+    spawned = []
+
+    def spawn(n, argv, timeout_s):
+        spawned.append(n)
+        return {"profile": str(tmp_path / "new.json")}
+
+    monkeypatch.setattr(calibrate, "spawn_local", spawn)
+    got = run.ensure_collectives(4)
+    assert (got, spawned) == ((tmp_path / "new.json", [4]) if again else (saved, []))

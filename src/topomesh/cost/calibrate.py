@@ -14,7 +14,9 @@ link in ``WORLD_TOPOLOGY_FILE`` when the launcher wrote one, else SHM (CPU) / PH
 inside a host and NIC between hosts. Each point is timed ``repeats`` times between
 barriers, interleaved across sizes; a point's time is the slowest rank's mean (:data:`STATISTIC`). Rank 0 fits every collective ×
 link kind (:func:`topomesh.cost.collectives.fit_collective`: alpha-beta or piecewise,
-error on held-out sizes) and writes the profile JSON.
+error on held-out sizes) and writes the profile JSON. On CPU it also records how much the
+compute of ranks sharing a host stretches when they run at once (:func:`measure_compute_stretch`,
+``meta["compute_stretch"]``), which the ``local`` cluster prices compute with.
 """
 
 from __future__ import annotations
@@ -280,6 +282,97 @@ def run_sweep(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str,
     return samples
 
 
+STRETCH_SEGMENTS_S = (0.002, 0.008, 0.032)
+"""Lengths (one rank alone) of the compute segments :func:`measure_compute_stretch` times: the
+stretches of a step between two synchronizations here, from a tensor-parallel block's pieces
+(1-3 ms) over an FSDP2 unit's (5-10 ms) to a pipeline stage's micro-batch (10-30 ms)."""
+
+
+def _matmul_chain() -> Callable[[int], None]:
+    """``chain(k)``: ``k`` 96×96 matmuls in a row (a tanh after each keeps the values bounded),
+    the compute segment :func:`measure_compute_stretch` times."""
+    import torch
+
+    a, b = torch.rand(96, 96), torch.rand(96, 96) / 96
+
+    def chain(k: int) -> None:
+        x = a
+        for _ in range(k):
+            x = torch.mm(x, b).tanh_()
+
+    return chain
+
+
+def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> dict[str, Any]:
+    """How much longer compute takes, until every one of ``n`` ranks has finished it, when ``n``
+    ranks of one host run it at once than when one runs it alone; per ``n`` in 2, 4, ... and
+    ``len(ranks)`` (call on every rank of the world; ``ranks`` are one host's).
+
+    A lock-step simulation prices a rank's compute and lets every rank reach the next
+    collective at the same time. Here they do not: ranks that share a host's cores and memory
+    finish the same work at different times (two ranks on this 2-core VM: the last one 6-13 %
+    after the mean, whatever the length), and a collective starts when the last one arrives;
+    where there are more ranks than cores, they also take turns on the cores. Both are in
+    ``E[max over the n ranks] / E[one rank alone]``. For each length in
+    :data:`STRETCH_SEGMENTS_S`, rank ``ranks[0]`` finds the matmul count of that length and
+    broadcasts it, runs it alone (the others wait at a barrier), then ``n`` ranks run it
+    together after a barrier, each timing its own, repeated for about ``budget_s``; the
+    stretch of ``n`` is the mean over lengths of the ratio of means (:data:`STATISTIC`).
+    Returns ``{"n": stretch, ...}`` on ``ranks[0]`` and ``{}`` on the others."""
+    import torch
+    import torch.distributed as dist
+
+    me, lead = dist.get_rank(), ranks[0]
+    counts = sorted({2 ** i for i in range(1, len(ranks).bit_length())} | {len(ranks)} - {1})
+    ratios: dict[int, list[float]] = {n: [] for n in counts}
+    chain = _matmul_chain()
+    chain(50)
+    per = torch.zeros(1, dtype=torch.float64)
+    if me == lead:
+        t0 = time.perf_counter()
+        chain(400)
+        per[0] = (time.perf_counter() - t0) / 400
+    dist.broadcast(per, src=lead)
+    for seconds in STRETCH_SEGMENTS_S:
+        k = max(1, round(seconds / max(float(per[0]), 1e-7)))
+
+        def fn(k: int = k) -> None:
+            chain(k)
+
+        reps = max(10, round(budget_s / seconds))
+        alone: list[float] = []
+        for _ in range(reps):
+            dist.barrier()
+            if me == lead:
+                t0 = time.perf_counter()
+                fn()
+                alone.append(time.perf_counter() - t0)
+        for n in counts:
+            team = ranks[:n]
+            mine = torch.zeros(reps, dtype=torch.float64)
+            for i in range(reps):
+                dist.barrier()
+                if me in team:
+                    t0 = time.perf_counter()
+                    fn()
+                    mine[i] = time.perf_counter() - t0
+            every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            if me == lead:
+                ratios[n].append(stretch_of(alone, [[float(every[r][i]) for r in team] for i in range(reps)]))
+    return {str(n): statistics.fmean(r) for n, r in ratios.items()} if me == lead else {}
+
+
+def stretch_of(alone: Sequence[float], together: Sequence[Sequence[float]]) -> float:
+    """``E[the last of the ranks to finish] / E[one rank alone]``: ``together[i]`` holds every
+    rank's time for repeat ``i`` (the means: :data:`STATISTIC`).
+
+    >>> stretch_of([2.0, 2.0], [[2.0, 3.0], [2.2, 2.2]])  # (3.0 + 2.2) / 2 / 2.0
+    1.3
+    """
+    return statistics.fmean(max(times) for times in together) / statistics.fmean(alone)
+
+
 def points_per_rank0(cfg: SweepConfig, groups: Sequence[GroupSpec]) -> int:
     total = 0
     for g in groups:
@@ -380,6 +473,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         if not groups:
             raise CalibrationError(f"a world of {len(hosts)} rank(s) has no group of 2 or more to measure")
         samples = _sweep_with_progress(cfg, groups, device, show=me == 0 and not args.no_progress)
+        # ranks sharing a host's cores (CPU): how much their concurrent compute stretches
+        stretch = measure_compute_stretch([r for r, h in enumerate(hosts) if h == hosts[0]]) if device == "cpu" else {}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
         if me != 0:
@@ -389,6 +484,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         meta = {
             "world_size": len(hosts), "hosts": sorted(set(hosts)), "devices": sorted({d for _, d in ranks}),
             "link_source": link_source, "sizes_bytes": cfg.sizes(), "torch": torch.__version__, "statistic": STATISTIC,
+            "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],
             "samples": [[s.collective.value, s.link.value, s.group_size, s.nbytes, s.seconds] for s in all_samples],

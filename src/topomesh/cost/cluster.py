@@ -119,6 +119,13 @@ class Cluster:
     ``local``); 0 for GPU presets, as :attr:`dtensor_dispatch_s`."""
     fsdp_gather_s: float = 0.0
     """Host seconds an FSDP2 all-gather (a ``c10d.`` all-gather record) adds, as :attr:`fsdp_reduce_s`."""
+    compute_stretch: float | None = None
+    """Measured where ranks share a host's cores (``local``): how many times longer compute takes
+    until every rank of the node has finished it, all running it at once, than on one rank alone
+    (:func:`topomesh.cost.calibrate.measure_compute_stretch`). It holds what a lock-step model
+    misses, ranks reaching a collective at different times, and on more ranks than cores their
+    taking turns; where set it prices compute and host work instead of :attr:`core_share`
+    (:attr:`compute_share`). None: not measured (GPU presets; a profile from before it)."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
@@ -154,6 +161,20 @@ class Cluster:
         if self.cores is None:
             return 1.0
         return max(1.0, self.gpus_per_node * self.threads_per_rank / self.cores)
+
+    @property
+    def compute_share(self) -> float:
+        """How many times longer a rank's compute and host work take here than the op table's
+        one-rank times: the measured :attr:`compute_stretch`, else :attr:`core_share`.
+        Collectives stay at :attr:`core_share`: their calibration already ran every rank of
+        their group at once.
+
+        >>> import dataclasses
+        >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=8), cores=2, threads_per_rank=1)
+        >>> c.compute_share, dataclasses.replace(c, compute_stretch=4.4).compute_share
+        (4.0, 4.4)
+        """
+        return self.core_share if self.compute_stretch is None else self.compute_stretch
 
     @property
     def nodes(self) -> int:
@@ -331,11 +352,14 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     topo = build_topology([host], default_placement([host], [n]), source="local")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     fsdp_reduce, fsdp_gather = fsdp_host_s(directory=directory)
+    stretch = prof.meta.get("compute_stretch")
+    stretch = stretch.get(str(n)) if isinstance(stretch, dict) and n > 1 else None
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
                    collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory),
                    dtensor_collective_s=dtensor_collective_s(directory=directory),
-                   fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather)
+                   fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
+                   compute_stretch=float(stretch) if isinstance(stretch, int | float) and 1 <= stretch <= 1e3 else None)
 
 
 # ------------------------------------------------------------------ topology files

@@ -70,8 +70,8 @@ def pricing_fingerprint(cluster: Any, table: Mapping) -> str:
     """sha256 of everything besides the trace that a digest's numbers depend on (see the module
     docstring): the pricing code, the device, the op table and the cluster's sharing of cores."""
     h = hashlib.sha256()
-    for part in (code_fingerprint(), repr(cluster.device), repr(cluster.core_share), repr(cluster.dtensor_dispatch_s),
-                 repr(cluster.dtensor_collective_s), repr(cluster.collectives_share_compute),
+    for part in (code_fingerprint(), repr(cluster.device), repr(cluster.core_share), repr(cluster.compute_share),
+                 repr(cluster.dtensor_dispatch_s), repr(cluster.dtensor_collective_s), repr(cluster.collectives_share_compute),
                  repr(cluster.fsdp_reduce_s), repr(cluster.fsdp_gather_s)):
         h.update(part.encode() + b"\0")
     for k, v in sorted(table.items(), key=lambda kv: repr(kv[0])):

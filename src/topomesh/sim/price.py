@@ -17,8 +17,10 @@ a :class:`Work`:
 
 On a cluster whose collectives run on the compute cores (gloo on CPU,
 :attr:`~topomesh.cost.cluster.Cluster.collectives_share_compute`) nothing overlaps: every
-collective is ``blocking``. Where ranks share cores (:attr:`~topomesh.cost.cluster.Cluster.core_share`)
-op times — and such collectives — are stretched by the share.
+collective is ``blocking``. Where ranks share cores, op times and host work are stretched by
+:attr:`~topomesh.cost.cluster.Cluster.compute_share` (the measured stretch of the ranks' concurrent
+compute, which includes their arriving at a collective at different times) and such collectives by
+:attr:`~topomesh.cost.cluster.Cluster.core_share`.
 
 Each collective is priced on the link its group crosses under the placement
 (:func:`topomesh.cost.cluster.axis_link`) and runs on the stream of that link class
@@ -143,7 +145,7 @@ class Pricer:
         if hit is None:
             cost = op_time_s(rec, self.cluster.device, self.table)
             hit = self._ops[rec] = (cost.seconds, cost.measured)
-        return hit[0] * self.cluster.core_share, hit[1]
+        return hit[0] * self.cluster.compute_share, hit[1]
 
     def comm(self, rec: CollectiveRecord) -> Comm:
         link = self.link_of(rec.mesh_axis or "")
@@ -234,13 +236,13 @@ class Pricer:
             seconds = c.fsdp_reduce_s
         else:
             seconds = 0.0
-        return seconds * c.core_share
+        return seconds * c.compute_share
 
     def _op_cost(self, e: OpRecord) -> tuple[float, bool, bool]:
         """(seconds with DTensor dispatch, from the op table?, a backward matmul?) of one op."""
         s, was_measured = self.op_s(e)
         if e.phase in self.dtensor_phases:
-            s += self.cluster.dtensor_dispatch_s * self.cluster.core_share
+            s += self.cluster.dtensor_dispatch_s * self.cluster.compute_share
         return s, was_measured, e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL
 
     def priced(self, d: Digest) -> Work:

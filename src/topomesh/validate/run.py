@@ -131,9 +131,10 @@ def compare(results: Sequence[LayoutResult]) -> dict[str, Any]:
 
 def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     """The gloo profile of this host, calibrated now (``calibrate --local world``, sizes up to
-    16 MiB) when none is saved, the newest measured fewer ranks than ``world``, or it reduced
+    16 MiB) when none is saved, the newest measured fewer ranks than ``world``, it reduced
     its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
-    before 2026-11-25)."""
+    before 2026-11-25), or it has no compute stretch for ``world`` ranks (before 2026-11-25's
+    last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`)."""
     from topomesh.cost.calibrate import STATISTIC, profile_directory, spawn_local
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
@@ -141,7 +142,9 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     profile_directory()  # a cache directory we may not use is named here, not lost in a child's exit
     try:
         prof, path = local_profile()
-        if int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC:
+        stretch = prof.meta.get("compute_stretch")
+        if (int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC
+                and isinstance(stretch, dict) and (world < 2 or str(world) in stretch)):
             return path
     except ClusterError:
         pass
