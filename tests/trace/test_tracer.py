@@ -486,3 +486,18 @@ def test_context_parallel_traces_under_activation_checkpointing(mode: Checkpoint
                     if getattr(e, "op", "") == "aten._scaled_dot_product_flash_attention.default")
     assert flash == Counter({Phase.FORWARD: 3, Phase.BACKWARD: recomputed}) - Counter()
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def test_gradients_are_the_ones_backward_makes() -> None:
+    """Under TP the embedding is vocab-sharded (RowwiseParallel) but DTensor's backward leaves
+    a replicated gradient of the whole table on each rank (seen on real gloo ranks: a
+    (2048, 256) gradient on a (512, 256) weight at tp=4); every other gradient is its
+    parameter's size. By hand for tiny-llama (vocab 256, hidden 64, bf16) at tp=2."""
+    cfg = get_preset("tiny-llama")
+    t = _trace("tiny-llama", (("tp", 2),))
+    table = cfg.vocab_size * cfg.hidden * BF16
+    assert t.first_state.params == table // 2
+    assert t.first_state.grads == table
+    assert t.block_state.grads == t.block_state.params and t.last_state.grads == t.last_state.params
+    one = _trace("tiny-llama", ())
+    assert one.first_state.grads == one.first_state.params == table

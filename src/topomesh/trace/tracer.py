@@ -586,7 +586,11 @@ def _state_bytes(
 ) -> tuple[StateBytes, StateBytes, StateBytes]:
     """Training state on this rank: per block (averaged over the traced blocks), for the
     embedding modules outside the blocks (a pipeline's first stage) and for the other
-    parameters outside the blocks (the last stage). Gradients take the parameter's size;
+    parameters outside the blocks (the last stage). A gradient takes the size of the one the
+    traced backward left on the parameter, and the parameter's where there is none: they can
+    differ, as under tensor parallel, where DTensor's backward of the vocab-sharded embedding
+    (``RowwiseParallel``) leaves a replicated gradient of the whole table on every rank
+    (measured on real gloo ranks: ``(2048, 256)`` against the ``(512, 256)`` weight at tp=4);
     optimizer state is what the optimizers hold after the traced step."""
     states: dict[int, int] = {}
     for _, opt in optimizers:
@@ -596,7 +600,8 @@ def _state_bytes(
     def total(params: Iterable[nn.Parameter]) -> StateBytes:
         ps = {id(p): p for p in params if p.requires_grad}
         nbytes = sum(_local_bytes(p) for p in ps.values())
-        return StateBytes(params=nbytes, grads=nbytes, optimizer=sum(states.get(i, 0) for i in ps))
+        grads = sum(_local_bytes(p if p.grad is None else p.grad) for p in ps.values())
+        return StateBytes(params=nbytes, grads=grads, optimizer=sum(states.get(i, 0) for i in ps))
 
     in_block = {id(p) for b in blocks for p in b.parameters()}
     first = [p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters() if id(p) not in in_block]
