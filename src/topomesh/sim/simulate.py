@@ -436,7 +436,7 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     last = len(layers) - 1
     state = StateBytes()
     saved: dict[int, int] = {}
-    gathered = peak_out = 0
+    gathered = peak_out = accumulated = 0
     for s in mine:
         state = state + p.block_state * layers[s]
         if s == 0:
@@ -448,6 +448,10 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
         works = [pc.work for pc in (*plans[s].forward, *plans[s].backward)]
         if plans[s].forward_later is not None:  # a pipeline stage keeps all its gathered parameters
             gathered += sum(pc.work.gather_bytes * pc.count for pc in plans[s].forward)
+            # and FSDP2 syncs gradients only in the stage's last backward: until then each unit
+            # holds its unsharded gradients, accumulated in the reduce dtype
+            # (FSDPParam.unsharded_accumulated_grad), the bytes its reduction then reads
+            accumulated += sum(pc.work.reduce_bytes * pc.count for pc in plans[s].backward)
         else:  # the gathered piece and the one prefetched; in backward also the piece's unsharded
             # gradients (as many bytes as its gathered parameters) and the gradient-reduction
             # inputs of this piece and of the one before, which FSDP2 holds until this one is issued
@@ -463,7 +467,9 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             most = max(most, len(live))
         elif a.kind is Kind.B or a.kind is Kind.I:
             total -= live.pop((a.stage, a.mb), 0)
-    return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
+    # the sharded gradients appear only when those reductions run (set_to_none between steps)
+    return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=max(state.grads, accumulated),
+                       optimizer_bytes=state.optimizer,
                        activations_bytes=act_peak, in_flight=most, transient_bytes=gathered + peak_out)
 
 
