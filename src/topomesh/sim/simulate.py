@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -447,11 +447,11 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
                     + (p.fwd_post.saved_bytes if s == last else 0))
         works = [pc.work for pc in (*plans[s].forward, *plans[s].backward)]
         if plans[s].forward_later is not None:  # a pipeline stage keeps all its gathered parameters
-            gathered += sum(pc.work.gather_bytes * pc.count for pc in plans[s].forward)
+            gathered += _stage_bytes(p, plans[s].forward, s, last, "gather_bytes", p.fwd_pre, p.fwd_post)
             # and FSDP2 syncs gradients only in the stage's last backward: until then each unit
             # holds its unsharded gradients, accumulated in the reduce dtype
             # (FSDPParam.unsharded_accumulated_grad), the bytes its reduction then reads
-            accumulated += sum(pc.work.reduce_bytes * pc.count for pc in plans[s].backward)
+            accumulated += _stage_bytes(p, plans[s].backward, s, last, "reduce_bytes", p.bwd_pre, p.bwd_post)
         else:  # the gathered piece and the one prefetched; in backward also the piece's unsharded
             # gradients (as many bytes as its gathered parameters) and the gradient-reduction
             # inputs of this piece and of the one before, which FSDP2 holds until this one is issued
@@ -471,6 +471,23 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=max(state.grads, accumulated),
                        optimizer_bytes=state.optimizer,
                        activations_bytes=act_peak, in_flight=most, transient_bytes=gathered + peak_out)
+
+
+def _stage_bytes(p: PricedClass, pieces: Sequence[Piece], s: int, last: int, field: str, pre: Work, post: Work) -> int:
+    """Gathered (or reduced) bytes of stage ``s``'s pieces, with the root FSDP unit's shared out.
+    The trace has one root unit for the parameters outside the blocks, gathered and reduced with
+    the embedding; under a pipeline each end stage's root holds only its own (the embedding on
+    the first, norm and head on the last), so the root's bytes go to the two ends in proportion
+    to their parameters."""
+    total = sum(getattr(pc.work, field) * pc.count for pc in pieces)
+    root = getattr(pre, field) + getattr(post, field)
+    if s == 0:
+        total -= getattr(pre, field)
+    if s == last:
+        total -= getattr(post, field)
+    ends = p.first_state.params + p.last_state.params
+    mine = (p.first_state.params if s == 0 else 0) + (p.last_state.params if s == last else 0)
+    return total + (root * mine // ends if ends else 0)
 
 
 def _result(model: Model, cluster: Cluster, layout: Layout, training: Training, by_phase: Mapping[str, int],
