@@ -333,29 +333,26 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> d
         chain(400)
         per[0] = (time.perf_counter() - t0) / 400
     dist.broadcast(per, src=lead)
+
+    def timed(team: Sequence[int], k: int, reps: int) -> torch.Tensor:
+        """This rank's time for ``chain(k)`` in each of ``reps`` repeats, all of ``team`` starting
+        together after a barrier (0 where this rank is not in ``team``)."""
+        mine = torch.zeros(reps, dtype=torch.float64)
+        for i in range(reps):
+            dist.barrier()
+            if me in team:
+                t0 = time.perf_counter()
+                chain(k)
+                mine[i] = time.perf_counter() - t0
+        return mine
+
     for seconds in STRETCH_SEGMENTS_S:
         k = max(1, round(seconds / max(float(per[0]), 1e-7)))
-
-        def fn(k: int = k) -> None:
-            chain(k)
-
         reps = max(10, round(budget_s / seconds))
-        alone: list[float] = []
-        for _ in range(reps):
-            dist.barrier()
-            if me == lead:
-                t0 = time.perf_counter()
-                fn()
-                alone.append(time.perf_counter() - t0)
+        alone = timed(ranks[:1], k, reps).tolist()  # the lead's own
         for n in counts:
             team = ranks[:n]
-            mine = torch.zeros(reps, dtype=torch.float64)
-            for i in range(reps):
-                dist.barrier()
-                if me in team:
-                    t0 = time.perf_counter()
-                    fn()
-                    mine[i] = time.perf_counter() - t0
+            mine = timed(team, k, reps)
             every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(every, mine)
             if me == lead:

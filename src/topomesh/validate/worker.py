@@ -267,10 +267,7 @@ def _plain_step(module: nn.Module, micro: int) -> Any:
     def step(tokens: torch.Tensor) -> None:
         for chunk in tokens.chunk(micro):
             out = module(chunk)
-            if isinstance(out, DTensor):
-                with loss_parallel():
-                    causal_lm_loss(out, chunk).backward()
-            else:
+            with loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext():
                 causal_lm_loss(out, chunk).backward()
 
     return step
