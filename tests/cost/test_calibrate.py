@@ -148,3 +148,30 @@ def test_the_stretch_is_measured_for_every_power_of_two_and_the_host(monkeypatch
     # the same work timed alone and "together" by one process: about 1 (a loaded machine moves it)
     assert all(0.3 < v < 3 for v in got.values())
     assert gathered == [len(ranks)] * len(counts) * len(calibrate.STRETCH_SEGMENTS_S)
+
+
+@pytest.mark.timeout(30)
+def test_rank_zero_refuses_a_shared_cache_before_joining_the_sweep(tmp_path, monkeypatch):
+    # under torchrun (no `topomesh calibrate` CLI in front), rank 0 checks where it will save
+    # before the process group forms, instead of failing after a whole sweep
+    import argparse
+
+    import torch.distributed as dist
+
+    from topomesh.cost.calibrate import add_sweep_arguments, worker
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o775)
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(shared))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def no_group(*_a, **_k):
+        raise AssertionError("the process group was joined")
+
+    monkeypatch.setattr(dist, "init_process_group", no_group)
+    p = argparse.ArgumentParser()
+    add_sweep_arguments(p)
+    with pytest.raises(CalibrationError, match="has mode 0775"):
+        worker(p.parse_args([]))

@@ -10,6 +10,7 @@ within 50 %.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -60,23 +61,36 @@ def test_pipeline_stages_run_with_tensor_parallel(tmp_path):
     # pp x tp used to be refused after the calibration and tracing (the stages' outputs were
     # thought to be DTensors): the built-in plan hands plain local tensors between blocks, and
     # the last stage's vocab-sharded loss needs loss_parallel, without which it fails
+    record = _one_real_step(tmp_path, {"pp": 2, "tp": 2})
+    assert record["world_size"] == 4 and record["microbatches"] == 4 and len(record["step_s"]) == 1
+    assert len(record["peak_bytes"]) == 4 and min(record["peak_bytes"]) > 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_steps_take_their_loss_under_loss_parallel(tmp_path):
+    # the vocab-sharded logits of a plain (no pipeline) step: without loss_parallel it fails
+    record = _one_real_step(tmp_path, {"tp": 2})
+    assert record["world_size"] == 2 and record["microbatches"] == 4 and len(record["step_s"]) == 1
+
+
+def _one_real_step(tmp_path, degrees: dict[str, int]) -> dict:
+    """The validate worker's record of one measured step of ``degrees`` (tiny model, gloo)."""
     from topomesh.sim.simulate import Training
     from topomesh.validate.run import _knobs
 
     model = tmp_path / "model.json"
     model.write_text(json.dumps(MODEL))
-    spec = {"model": str(model), "seq_len": None, "degrees": {"pp": 2, "tp": 2}, "threads": 1, "warmup": 2,
+    spec = {"model": str(model), "seq_len": None, "degrees": degrees, "threads": 1, "warmup": 2,
             "steps": 1, "training": _knobs(Training(global_batch=4, micro_batch=1, seq_len=128))}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = tmp_path / "out.json"
+    world = math.prod(degrees.values())
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
          "-m", "topomesh.validate.worker", "--spec", str(tmp_path / "spec.json"), "--out", str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads(out.read_text())
-    assert record["world_size"] == 4 and record["microbatches"] == 4 and len(record["step_s"]) == 1
-    assert len(record["peak_bytes"]) == 4 and min(record["peak_bytes"]) > 0
+    return json.loads(out.read_text())
 
 
 def test_pipeline_with_context_parallel_is_refused_before_anything_runs():
