@@ -198,3 +198,21 @@ def test_fsdp_host_work_splits_into_per_unit_and_per_gather(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert unit == pytest.approx(0.5e-3) and gather == pytest.approx(0.1e-3)
+
+
+def test_under_a_pipeline_shared_core_collectives_gather_and_reduce_once_a_step(model):
+    """Where collectives share the compute cores every one is booked blocking, yet a pipeline
+    stage still gathers its FSDP units in its first forward only and reduces them in its last
+    backward only: the same exposed seconds whatever the number of micro-batches (nothing
+    overlaps here, so per-micro-batch collectives would add up)."""
+    cpu_like = dataclasses.replace(load_cluster("dgx-h100", gpus=4), collectives_share_compute=True)
+    sim = Simulator(model=model, cluster=cpu_like)
+    layout = Layout(pp=2, dp_shard=2)
+    exposed = []
+    for micro in (2, 4, 8):
+        r = sim.simulate(layout, Training(global_batch=2 * micro))
+        assert set(r.breakdown.exposed_comm_s) == {"dp_shard"}
+        exposed.append(r.breakdown.exposed_comm_s["dp_shard"])
+    assert exposed[0] > 0
+    assert exposed[1] == pytest.approx(exposed[0], rel=1e-9)
+    assert exposed[2] == pytest.approx(exposed[0], rel=1e-9)

@@ -67,6 +67,20 @@ def test_pipeline_stages_run_with_tensor_parallel(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_under_a_pipeline_gathers_each_unit_once_a_step(tmp_path):
+    """pp=2 x dp_shard=2, 2 layers, global batch 4: 2 micro-batches a stage. Stage 0 holds
+    two FSDP2 units (its block, and the root with the embeddings); the simulator gathers each
+    once a step and reduces it once, as torchtitan runs FSDP under a pipeline. With FSDP's
+    default resharding after forward, 1F1B's F0 F1 B0 B1 gathered at F0, F1 and B0: 6."""
+    record = _one_real_step(tmp_path, {"pp": 2, "dp_shard": 2})
+    assert record["microbatches"] == 2
+    calls = record["collective_calls"]
+    assert calls["c10d::_allgather_base_"] == 2
+    assert calls["c10d::_reduce_scatter_base_"] == 2
+    assert calls["c10d::send"] == 2  # one activation per micro-batch to stage 1
+
+
+@pytest.mark.slow
 def test_tensor_parallel_steps_take_their_loss_under_loss_parallel(tmp_path):
     # the vocab-sharded logits of a plain (no pipeline) step: without loss_parallel it fails
     record = _one_real_step(tmp_path, {"tp": 2})

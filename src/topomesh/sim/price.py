@@ -30,6 +30,7 @@ collective can run at once. A block is priced once and repeated by the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +65,10 @@ class Comm:
     axis: str
     stream: Stream
     seconds: float
+    role: str = ""
+    """``"gather"`` (a parameter all-gather), ``"reduce"`` (a gradient reduction) or ``""``
+    (:func:`param_role`): what a pipeline stage drops from the micro-batches that do not
+    run it, wherever the collective is booked (``blocking`` on shared cores)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +130,14 @@ def is_param_collective(rec: CollectiveRecord) -> bool:
     )
 
 
+def param_role(rec: CollectiveRecord) -> str:
+    """``"gather"`` or ``"reduce"`` for FSDP/DDP traffic outside the optimizer (what
+    :meth:`Pricer.digest` sorts into ``gather`` and ``reduce`` where collectives overlap), else ``""``."""
+    if not is_param_collective(rec) or rec.phase is Phase.OPTIMIZER:
+        return ""
+    return "gather" if rec.kind is CollectiveKind.ALL_GATHER else "reduce"
+
+
 class Pricer:
     """Prices records on one cluster and placement, each distinct op signature once."""
 
@@ -152,7 +165,8 @@ class Pricer:
         seconds = group_collective_time_s(rec, link, self.cluster.profile)
         if self.cluster.collectives_share_compute:
             seconds *= self.cluster.core_share  # CPU work on the shared cores, like the ops
-        return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds)
+        return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds,
+                    role=param_role(rec))
 
     def work(self, segments: Iterable[Segment], *, exclude: Counter | None = None, extra_gather: Iterable = ()) -> Work:
         """One :class:`Work` from segments (summed); ``exclude`` drops records (a multiset)
@@ -201,15 +215,15 @@ class Pricer:
                         compute += self._host_s(e)
                     if is_param_collective(e) and e.kind is not CollectiveKind.ALL_GATHER and e.phase is not Phase.OPTIMIZER:
                         reduced += e.bytes
+                    role = param_role(e)
                     if shared:
                         blocking.append(e)  # no overlap: the compute cores run it
                         gathered += e.bytes if is_param_collective(e) and e.kind is CollectiveKind.ALL_GATHER else 0
-                    elif is_param_collective(e) and e.phase is not Phase.OPTIMIZER:
-                        if e.kind is CollectiveKind.ALL_GATHER:
-                            gather.append(e)
-                            gathered += e.bytes
-                        else:
-                            reduce.append(e)
+                    elif role == "gather":
+                        gather.append(e)
+                        gathered += e.bytes
+                    elif role == "reduce":
+                        reduce.append(e)
                     else:
                         blocking.append(e)
         extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]
@@ -267,7 +281,7 @@ class SymbolicPricer(Pricer):
 
     def comm(self, rec: CollectiveRecord) -> Comm:
         i = self.index.setdefault(rec, len(self.index))
-        return Comm(axis=f"#{i}", stream=Stream.INTRA, seconds=1.0)
+        return Comm(axis=f"#{i}", stream=Stream.INTRA, seconds=1.0, role=param_role(rec))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -306,7 +320,7 @@ def _per_block(work: Work, n: int) -> Work:
     def each(comms: tuple[Comm, ...]) -> tuple[Comm, ...]:
         # n traced blocks issue n times the collectives of one: keep one block's share
         return comms[: len(comms) // n] if len(comms) % n == 0 else tuple(
-            Comm(c.axis, c.stream, c.seconds / n) for c in comms)
+            dataclasses.replace(c, seconds=c.seconds / n) for c in comms)
 
     return Work(compute_s=work.compute_s / n, blocking=each(work.blocking), gather=each(work.gather),
                 reduce=each(work.reduce), flops=work.flops // n, weight_grad_s=work.weight_grad_s / n,
@@ -459,5 +473,5 @@ def digest_class(trace: Trace, pricer: Pricer) -> ClassDigest:
 def _scaled(work: Work, k: float) -> Work:
     """The optimizer work of the parameters outside the blocks, shared between the first and
     the last stage by their state bytes."""
-    return Work(compute_s=work.compute_s * k, blocking=tuple(Comm(c.axis, c.stream, c.seconds * k) for c in work.blocking),
+    return Work(compute_s=work.compute_s * k, blocking=tuple(dataclasses.replace(c, seconds=c.seconds * k) for c in work.blocking),
                 flops=int(work.flops * k))

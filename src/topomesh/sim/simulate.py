@@ -396,15 +396,19 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
 
 def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool = False) -> StagePlan:
     """The pieces of global stage ``s`` (``n`` blocks). Under a pipeline, PyTorch's stage runs
-    FSDP without resharding and without gradient sync until the last backward
-    (``PipelineStage.backward_maybe_with_nosync``): parameters are gathered in the stage's
-    first forward only and gradients reduced in its last backward only."""
+    FSDP without resharding after backward and without gradient sync until the last backward
+    (``PipelineStage.backward_maybe_with_nosync``), and FSDP keeps its parameters after
+    forward (``reshard_after_forward`` off: torchtitan's default under PP, "to avoid
+    per-microbatch all-gathers", and what ``topomesh validate`` runs): parameters are gathered
+    in the stage's first forward only and gradients reduced in its last backward only."""
     plan = _pieces(p, s, stages, n)
     if not pipelined:
         return plan
 
     def strip(pieces: tuple[Piece, ...], what: str) -> tuple[Piece, ...]:
-        return tuple(dataclasses.replace(pc, work=dataclasses.replace(pc.work, **{what: ()})) for pc in pieces)
+        # where collectives share the compute cores they are all booked blocking: drop by role
+        return tuple(dataclasses.replace(pc, work=dataclasses.replace(
+            pc.work, **{what: ()}, blocking=tuple(c for c in pc.work.blocking if c.role != what))) for pc in pieces)
 
     return dataclasses.replace(
         plan, backward=strip(plan.backward, "gather"), backward_input=strip(plan.backward_input, "gather"),

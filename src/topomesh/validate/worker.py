@@ -29,7 +29,8 @@ rank's (all-reduce MAX), wall clock, and so is its CPU time (``time.process_time
 thread of the process, gloo's included) — on a machine others load, the CPU time shows
 what the step cost apart from waiting for a core — and the most minor page faults a rank took
 in it (:data:`topomesh.validate.run.STEADY_MALLOC` keeps them near zero). Rank 0 writes the
-times, the peaks of every rank, the load average before and after, and the thread count.
+times, the peaks of every rank, the load average before and after, the thread count, and
+the c10d calls its profiled step made (:func:`collective_calls`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,21 @@ def allocation_records(prof: Any) -> tuple[list[tuple[int, int, int]], list[tupl
         elif e.name == "topomesh_validate_step":
             windows.append((e.start_time_ns, e.end_time_ns))
     return allocations, sorted(windows)
+
+
+def collective_calls(prof: Any, start_ns: int, end_ns: int) -> dict[str, int]:
+    """How many times each c10d op (``c10d::_allgather_base_``, ``c10d::send``, ...) was called
+    on a thread ``prof`` follows inside ``[start_ns, end_ns]``: what the step ran, to set
+    against what the simulator assumes (one all-gather per FSDP unit under a pipeline)."""
+    calls: dict[str, int] = {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.name.startswith("c10d::") and start_ns <= e.start_time_ns <= end_ns:
+            calls[e.name] = calls.get(e.name, 0) + 1
+            continue  # an op's own children are its implementation, not more calls
+        stack.extend(e.children)
+    return dict(sorted(calls.items()))
 
 
 class StageModel(Transformer):
@@ -227,6 +243,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         dist.barrier()
     mem, window = allocation_records(prof)
     peak = peak_in_window(mem, *window[-1]) if window else 0
+    calls = collective_calls(prof, *window[-1]) if window else {}
     del prof, mem
     times: list[float] = []
     cpu: list[float] = []
@@ -252,6 +269,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         "page_faults": faults,
         "peak_bytes": [int(p.item()) for p in peaks],
         "microbatches": micro,
+        "collective_calls": calls,
         "loadavg_before": load_before,
         "loadavg_after": _loadavg(),
     }
@@ -283,8 +301,15 @@ def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
+    from torch.distributed.fsdp import FSDPModule
+
     from topomesh.trace.tracer import causal_lm_loss
 
+    if isinstance(module, FSDPModule):
+        # torchtitan's default under PP: parameters stay gathered from a stage's first forward
+        # to its last backward. With the default, every forward resharded them and the next
+        # action gathered again: 5 all-gathers per unit in a 4-micro-batch 1F1B step, not 1.
+        module.set_reshard_after_forward(False)
     pipe = PipelineStage(module, stage, pp, torch.device("cpu"), group=mesh.get_group("pp"))
     schedule = get_schedule_class(training.schedule.torch_name)(pipe, n_microbatches=micro, loss_fn=causal_lm_loss)
     last = stage == pp - 1
