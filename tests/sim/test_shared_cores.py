@@ -26,6 +26,10 @@ def test_core_share_is_threads_over_cores():
     assert dataclasses.replace(c, cores=2, threads_per_rank=1).core_share == 2.0  # 4 x 1 / 2
     assert dataclasses.replace(c, cores=2, threads_per_rank=3).core_share == 6.0  # 4 x 3 / 2
     assert dataclasses.replace(c, cores=16, threads_per_rank=2).core_share == 1.0  # 8 of 16 cores: never faster
+    # with only some of the node's ranks busy (a pipeline's): their threads over the cores
+    assert dataclasses.replace(c, cores=2, threads_per_rank=3).cores_share_at(1.5) == 2.25  # 1.5 x 3 / 2
+    assert dataclasses.replace(c, cores=2, threads_per_rank=1).cores_share_at(1.5) == 1.0
+    assert c.cores_share_at(3) == 1.0
 
 
 def test_shared_cores_stretch_compute(model):

@@ -176,6 +176,19 @@ class Cluster:
         """
         return self.core_share if self.compute_stretch is None else self.compute_stretch
 
+    def cores_share_at(self, ranks: float) -> float:
+        """:attr:`core_share` with ``ranks`` of a node's ranks busy at once (a mean over an
+        interval, so fractional) instead of all of them.
+
+        >>> import dataclasses
+        >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1)
+        >>> c.cores_share_at(1.5), c.cores_share_at(3), c.cores_share_at(4) == c.core_share
+        (1.0, 1.5, True)
+        """
+        if self.cores is None:
+            return 1.0
+        return max(1.0, ranks * self.threads_per_rank / self.cores)
+
     @property
     def nodes(self) -> int:
         return len(self.topology.hosts)

@@ -29,7 +29,8 @@ max-plus linear, so a uniform shift repeats).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from topomesh.errors import LayoutError
@@ -37,6 +38,9 @@ from topomesh.sim.price import Comm, Stream, Work
 from topomesh.sim.schedules import Action, Kind
 
 _STREAMS = (Stream.INTRA, Stream.NET)
+
+ActionKey = tuple[int, str, int]
+"""(global stage, ``Kind`` value or ``"opt"``, micro-batch) of one action of the step."""
 
 
 @dataclass(slots=True)
@@ -61,6 +65,9 @@ class RankState:
     p2p_s: float = 0.0
     exposed: dict[str, float] = field(default_factory=dict)
     spans: list[Span] | None = None
+    busy: list[tuple[float, float, ActionKey]] = field(default_factory=list)
+    """(start, end, action) of every action the rank ran, from the end of its wait for the
+    action's input; the optimizer as ``(stage, "opt", 0)``."""
 
     def book(self, axis: str, seconds: float) -> None:
         if seconds > 0:
@@ -265,10 +272,23 @@ def simulate_pipeline(
     p2p_s: float,
     *,
     record: bool = False,
+    scale: Mapping[ActionKey, tuple[float, float]] | None = None,
 ) -> EngineResult:
     """Run every pipeline rank's actions; ``plans[s]`` prices global stage ``s``,
-    ``stage_rank[s]`` is the rank holding it, ``p2p_s`` one boundary send."""
+    ``stage_rank[s]`` is the rank holding it, ``p2p_s`` one boundary send. ``scale`` stretches
+    single actions: (factor on its compute, factor on its collectives) by action key."""
     ranks = [RankState(spans=[] if record else None) for _ in actions]
+    scaled: dict[tuple[int, float, float], tuple[Piece, ...]] = {}
+
+    def priced(pieces: tuple[Piece, ...], key: ActionKey) -> tuple[Piece, ...]:
+        f = scale.get(key) if scale else None
+        if f is None or f == (1.0, 1.0):
+            return pieces
+        hit = scaled.get((id(pieces), *f))
+        if hit is None:
+            hit = scaled[(id(pieces), *f)] = tuple(_scaled_piece(p, *f) for p in pieces)
+        return hit
+
     firsts, lasts = first_and_last(actions)
     done: dict[tuple[int, str, int], float] = {}
     memo: dict = {}
@@ -298,7 +318,9 @@ def simulate_pipeline(
                 state.compute_free = ready
                 first_mb = a.kind is Kind.F and firsts.get(a.stage) == a.mb
                 last_mb = a.kind is not Kind.F and lasts.get((a.stage, a.kind)) == a.mb
-                run_action(state, plans[a.stage].pieces(a.kind, first_mb, last_mb), memo)
+                key = (a.stage, a.kind.value, a.mb)
+                run_action(state, priced(plans[a.stage].pieces(a.kind, first_mb, last_mb), key), memo)
+                state.busy.append((ready, state.compute_free, key))
                 done[(a.stage, "B" if a.kind is Kind.I else a.kind.value, a.mb)] = state.compute_free
                 idx[r] += 1
                 remaining -= 1
@@ -315,12 +337,25 @@ def simulate_pipeline(
         before = state.compute_s
         for s, plan in enumerate(plans):
             if stage_rank[s] == r:
-                run_pieces(state, plan.optimizer)
+                start = state.compute_free
+                run_pieces(state, priced(plan.optimizer, (s, "opt", 0)))
+                state.busy.append((start, state.compute_free, (s, "opt", 0)))
         state.optimizer_s += state.compute_s - before
         state.compute_s = before
     end = [s.compute_free for s in ranks]
     crit = max(range(len(ranks)), key=end.__getitem__)
     return EngineResult(step_time_s=end[crit], critical_rank=crit, ranks=tuple(ranks))
+
+
+def _scaled_piece(p: Piece, compute: float, comm: float) -> Piece:
+    w = p.work
+
+    def each(comms: tuple[Comm, ...]) -> tuple[Comm, ...]:
+        return tuple(dataclasses.replace(c, seconds=c.seconds * comm) for c in comms)
+
+    return dataclasses.replace(p, work=dataclasses.replace(
+        w, compute_s=w.compute_s * compute, weight_grad_s=w.weight_grad_s * compute,
+        blocking=each(w.blocking), gather=each(w.gather), reduce=each(w.reduce)))
 
 
 def first_and_last(actions: Sequence[Sequence[Action]]) -> tuple[dict[int, int], dict[tuple[int, Kind], int]]:

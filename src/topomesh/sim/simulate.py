@@ -360,7 +360,9 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
         if cluster.collectives_share_compute:
             p2p_s *= cluster.core_share
-    if record:  # the Python engine draws the timeline, on plans priced on this layout's links
+    # a pipeline on shared cores: its ranks are not all busy at once (topomesh.sim.shared)
+    shared = pp > 1 and cluster.cores is not None
+    if record or shared:  # the Python engine, on plans priced on this layout's links
         signature = (id(digest), tuple(link_of(a) for a in digest.axes))
         priced = memo.priced.get(signature)
         if priced is None:
@@ -369,7 +371,13 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         priced = priced[1]
         plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
         actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
-        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True)
+        if shared:
+            from topomesh.sim.shared import shared_pipeline
+
+            run = shared_pipeline(plans, actions, stage_rank, p2p_s, cluster, ranks_per_stage=layout.world_size // pp,
+                                  record=record)
+        else:
+            run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True)
     else:
         pricer = Pricer(cluster, link_of, table or {}, memo.ops)
         secs, streams = [], []

@@ -1,0 +1,87 @@
+"""A pipeline whose ranks share a host's cores (the ``local`` cluster: gloo processes on a CPU).
+
+Lock-step pricing stretches every rank's compute by the measured stretch of all the node's
+ranks computing at once (:attr:`~topomesh.cost.cluster.Cluster.compute_share`) and its
+collectives by the core share of all of them. A pipeline's ranks are not all busy at once:
+they wait for each other in the warm-up, the cool-down and the bubbles, and a rank that
+computes while others wait has more of the cores.
+
+:func:`shared_pipeline` runs the engine again and again. Each action is stretched by the core
+share of the ranks busy, on average, while it ran in the run before
+(:meth:`~topomesh.cost.cluster.Cluster.cores_share_at`: processor sharing), starting from
+lock-step, until the stretches settle. Ranks of one stage (its data, tensor and context
+parallel peers) run in lock-step and count together.
+
+Processor sharing, not the measured stretch: a pipeline action computes for tens of
+milliseconds at a time, and over long stretches the cores are shared evenly and nothing is
+lost to it. One-process steps of ``benchmarks/validate_llama.json`` (one thread, 12 s each,
+on the 2-core VM) took 91.3 ms alone, 88–90 ms two at once and 183–185 ms four at once, with
+91.4, 88–89 and 92.1 ms of CPU time: 1.0x and 2.0x, the core shares. The measured stretch
+comes from 2–32 ms segments between barriers (1.77 for four ranks there), which is what
+lock-step ranks meeting at every layer's collective see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from topomesh.cost.cluster import Cluster
+from topomesh.sim.engine import ActionKey, EngineResult, StagePlan, simulate_pipeline
+from topomesh.sim.schedules import Action
+
+ROUNDS = 16
+"""Most engine runs; the stretches move by under :data:`SETTLED` well before (6–9 runs on
+the validate layouts)."""
+SETTLED = 1e-4
+DAMPING = 0.5
+"""Each run's stretches move half way to what the run before implies: without it a rank that
+was slowed stops overlapping the others, is sped up, overlaps again, and so on."""
+
+
+def busy_ranks(busy: Sequence[Sequence[tuple[float, float, ActionKey]]], ranks_per_stage: int
+               ) -> dict[ActionKey, float]:
+    """Per action, the mean number of the node's ranks busy while it ran: its own stage's
+    ``ranks_per_stage``, plus as many for each other pipeline rank times the share of the
+    action's interval that rank was busy.
+
+    >>> busy_ranks([[(0.0, 2.0, (0, "F", 0))], [(1.0, 3.0, (1, "F", 0))]], 2)
+    {(0, 'F', 0): 3.0, (1, 'F', 0): 3.0}
+    """
+    out: dict[ActionKey, float] = {}
+    for r, mine in enumerate(busy):
+        for start, end, key in mine:
+            length = end - start
+            if length <= 0:
+                out[key] = float(ranks_per_stage)
+                continue
+            others = 0.0
+            for q, theirs in enumerate(busy):
+                if q != r:
+                    others += sum(max(0.0, min(end, e) - max(start, s)) for s, e, _ in theirs) / length
+            out[key] = ranks_per_stage * (1.0 + others)
+    return out
+
+
+def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Action]], stage_rank: Sequence[int],
+                    p2p_s: float, cluster: Cluster, *, ranks_per_stage: int, record: bool = False) -> EngineResult:
+    """The engine's run with each action stretched by the ranks busy while it runs (see the
+    module docstring). ``plans`` are priced lock-step, as :class:`~topomesh.sim.price.Pricer`
+    prices them on ``cluster``."""
+    full_compute, full_comm = cluster.compute_share, cluster.core_share
+    scale: dict[ActionKey, tuple[float, float]] = {}
+    run = simulate_pipeline(plans, actions, stage_rank, p2p_s)
+    for _ in range(ROUNDS):
+        moved = 0.0
+        for key, k in busy_ranks([st.busy for st in run.ranks], ranks_per_stage).items():
+            share = cluster.cores_share_at(k)
+            want = (share / full_compute, share / full_comm)
+            was = scale.get(key, (1.0, 1.0))
+            now = tuple(a + DAMPING * (b - a) for a, b in zip(was, want, strict=True))
+            moved = max(moved, abs(now[0] - was[0]), abs(now[1] - was[1]))
+            scale[key] = now  # type: ignore[assignment]
+        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale)
+        if moved < SETTLED:
+            break
+    if record:
+        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, record=True)
+    return run

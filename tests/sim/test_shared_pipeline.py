@@ -1,0 +1,100 @@
+"""A pipeline whose ranks share cores: each action stretched by the ranks busy while it runs
+(:mod:`topomesh.sim.shared`), on hand-built plans with answers worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from topomesh.cost.cluster import load_cluster
+from topomesh.sim.engine import Piece, StagePlan, simulate_pipeline
+from topomesh.sim.price import Comm, Stream, Work
+from topomesh.sim.schedules import Action, Kind
+from topomesh.sim.shared import busy_ranks, shared_pipeline
+
+
+def plan(forward_s: float, backward_s: float = 0.0, comm_s: float = 0.0) -> StagePlan:
+    """One stage's pieces, priced lock-step; no optimizer."""
+    fwd = (Piece(work=Work(compute_s=forward_s), count=1, label="f"),)
+    bwd = (Piece(work=Work(compute_s=backward_s, blocking=(Comm("tp", Stream.INTRA, comm_s),) if comm_s else ()),
+                 count=1, label="b"),) if backward_s or comm_s else ()
+    return StagePlan(forward=fwd, backward=bwd, backward_input=(), backward_weight=(), optimizer=())
+
+
+def sharing(cores: int):
+    """Two ranks, one thread each, on ``cores`` cores; no measured stretch (compute_share = core_share)."""
+    return dataclasses.replace(load_cluster("dgx-h100", gpus=2), cores=cores, threads_per_rank=1)
+
+
+def test_busy_ranks_counts_the_others_share_of_each_interval():
+    # rank 0 busy [0, 4]; rank 1 busy [2, 3] and [5, 6]. Rank 0's action saw rank 1 for 1 s of
+    # its 4: 1.25 ranks; rank 1's first action saw rank 0 throughout: 2; its second, nobody: 1.
+    # Two ranks a stage double every count.
+    busy = [[(0.0, 4.0, (0, "F", 0))], [(2.0, 3.0, (1, "F", 0)), (5.0, 6.0, (1, "F", 1))]]
+    assert busy_ranks(busy, 1) == {(0, "F", 0): 1.25, (1, "F", 0): 2.0, (1, "F", 1): 1.0}
+    assert busy_ranks(busy, 2) == {(0, "F", 0): 2.5, (1, "F", 0): 4.0, (1, "F", 1): 2.0}
+
+
+def test_ranks_that_never_overlap_each_run_alone():
+    # two ranks on one core: lock-step prices everything at share 2 (F 2 s, B 4 s + a 1 s
+    # collective). One micro-batch: F0, F1, B1, B0 run one after the other, each alone at
+    # share 1: 1 + 1 + (2 + 0.5) + (2 + 0.5) = 7 s, half the lock-step 14 s.
+    cluster = sharing(cores=1)
+    assert cluster.core_share == cluster.compute_share == 2.0
+    plans = [plan(2.0, 4.0, 1.0), plan(2.0, 4.0, 1.0)]
+    actions = [[Action(0, Kind.F, 0), Action(0, Kind.B, 0)], [Action(1, Kind.F, 0), Action(1, Kind.B, 0)]]
+    lock_step = simulate_pipeline(plans, actions, [0, 1], 0.0)
+    assert lock_step.step_time_s == pytest.approx(14.0)
+    run = shared_pipeline(plans, actions, [0, 1], 0.0, cluster, ranks_per_stage=1)
+    assert run.step_time_s == pytest.approx(7.0, rel=1e-3)
+    assert run.ranks[0].exposed["tp"] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_ranks_that_overlap_share_the_core():
+    # F only (1 s alone, 2 s lock-step), two micro-batches. F(0,0) runs alone: 1 s. Then
+    # F(0,1) and F(1,0) run together from 1 s, both at share 2: to 3 s. F(1,1) alone: to 4 s.
+    cluster = sharing(cores=1)
+    plans = [plan(2.0), plan(2.0)]
+    actions = [[Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0), Action(0, Kind.B, 1)],
+               [Action(1, Kind.F, 0), Action(1, Kind.B, 0), Action(1, Kind.F, 1), Action(1, Kind.B, 1)]]
+    run = shared_pipeline(plans, actions, [0, 1], 0.0, cluster, ranks_per_stage=1)
+    assert run.step_time_s == pytest.approx(4.0, rel=1e-3)
+    spans = {key: (start, end) for st in run.ranks for start, end, key in st.busy if end > start}
+    assert spans[(0, "F", 1)] == pytest.approx((1.0, 3.0), rel=1e-3)
+    assert spans[(1, "F", 0)] == pytest.approx((1.0, 3.0), rel=1e-3)
+
+
+def test_with_a_core_each_nothing_changes():
+    cluster = sharing(cores=2)
+    assert cluster.core_share == 1.0
+    plans = [plan(1.0, 2.0, 0.5), plan(1.5, 3.0, 0.5)]
+    actions = [[Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0), Action(0, Kind.B, 1)],
+               [Action(1, Kind.F, 0), Action(1, Kind.B, 0), Action(1, Kind.F, 1), Action(1, Kind.B, 1)]]
+    shared = shared_pipeline(plans, actions, [0, 1], 0.1, cluster, ranks_per_stage=1)
+    assert shared.step_time_s == pytest.approx(simulate_pipeline(plans, actions, [0, 1], 0.1).step_time_s, rel=1e-12)
+
+
+def test_the_local_cluster_prices_pipelines_so(monkeypatch):
+    """``simulate`` takes this path for a pipeline wherever ranks share cores, and only there."""
+    from topomesh.layout.dims import Layout
+    from topomesh.models.presets import get_preset
+    from topomesh.sim import shared
+    from topomesh.sim.simulate import Simulator, Training, builtin_model
+
+    calls = []
+    real = shared.shared_pipeline
+    monkeypatch.setattr(shared, "shared_pipeline", lambda *a, **k: calls.append(k) or real(*a, **k))
+    model = builtin_model(get_preset("tiny-llama"))
+    gpu = load_cluster("dgx-h100", gpus=2)
+    training = Training(global_batch=4)
+    Simulator(model=model, cluster=gpu).simulate(Layout(pp=2), training)
+    Simulator(model=model, cluster=dataclasses.replace(gpu, cores=1, threads_per_rank=1)).simulate(Layout(dp_shard=2),
+                                                                                                    training)
+    assert calls == []
+    alone = Simulator(model=model, cluster=gpu).simulate(Layout(pp=2), training)
+    one_core = Simulator(model=model, cluster=dataclasses.replace(gpu, cores=1, threads_per_rank=1)).simulate(
+        Layout(pp=2), training)
+    assert calls == [{"ranks_per_stage": 1, "record": False}]
+    # two ranks on one core: never faster than each alone, never slower than lock-step at share 2
+    assert alone.step_time_s < one_core.step_time_s < 2 * alone.step_time_s
