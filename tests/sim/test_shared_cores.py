@@ -204,7 +204,8 @@ def test_fsdp_host_work_splits_into_per_unit_and_per_gather(monkeypatch):
     assert unit == pytest.approx(0.5e-3) and gather == pytest.approx(0.1e-3)
 
 
-def test_under_a_pipeline_shared_core_collectives_gather_and_reduce_once_a_step(model):
+@pytest.mark.parametrize("record", [False, True])  # the compiled engine's plans, the Python engine's
+def test_under_a_pipeline_shared_core_collectives_gather_and_reduce_once_a_step(model, record):
     """Where collectives share the compute cores every one is booked blocking, yet a pipeline
     stage still gathers its FSDP units in its first forward only and reduces them in its last
     backward only: the same exposed seconds whatever the number of micro-batches (nothing
@@ -214,7 +215,7 @@ def test_under_a_pipeline_shared_core_collectives_gather_and_reduce_once_a_step(
     layout = Layout(pp=2, dp_shard=2)
     exposed = []
     for micro in (2, 4, 8):
-        r = sim.simulate(layout, Training(global_batch=2 * micro))
+        r = sim.simulate(layout, Training(global_batch=2 * micro), record=record)
         assert set(r.breakdown.exposed_comm_s) == {"dp_shard"}
         exposed.append(r.breakdown.exposed_comm_s["dp_shard"])
     assert exposed[0] > 0
