@@ -298,10 +298,9 @@ def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int
     stream — the built-in plan's styles return local outputs — so stages send plain tensors;
     only the last stage's vocab-sharded logits are DTensors, whose loss and its backward run
     under ``loss_parallel`` as in a plain step."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
-
-    from torch.distributed.fsdp import FSDPModule
 
     from topomesh.trace.tracer import causal_lm_loss
 
