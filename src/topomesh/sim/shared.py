@@ -30,9 +30,10 @@ from topomesh.sim.engine import ActionKey, EngineResult, StagePlan, simulate_pip
 from topomesh.sim.schedules import Action
 
 ROUNDS = 16
-"""Most engine runs; the stretches move by under :data:`SETTLED` well before (6–9 runs on
-the validate layouts)."""
+"""Most rounds after the lock-step run; the stretches move by under :data:`SETTLED` before
+(10–14 engine runs in all on the validate pipelines, ``pp=2`` to ``pp=4``)."""
 SETTLED = 1e-4
+"""The rounds end when no action's stretch factor moved by more than this."""
 DAMPING = 0.5
 """Each run's stretches move half way to what the run before implies: without it a rank that
 was slowed stops overlapping the others, is sped up, overlaps again, and so on."""
