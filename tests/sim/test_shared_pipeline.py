@@ -34,6 +34,12 @@ def test_busy_ranks_counts_the_others_share_of_each_interval():
     busy = [[(0.0, 4.0, (0, "F", 0))], [(2.0, 3.0, (1, "F", 0)), (5.0, 6.0, (1, "F", 1))]]
     assert busy_ranks(busy, 1) == {(0, "F", 0): 1.25, (1, "F", 0): 2.0, (1, "F", 1): 1.0}
     assert busy_ranks(busy, 2) == {(0, "F", 0): 2.5, (1, "F", 0): 4.0, (1, "F", 1): 2.0}
+    # an interval across several of another rank's, cutting two of them: rank 0 busy [0, 1],
+    # [1.5, 2.5], [3, 5]; rank 1's [0.5, 4] saw 0.5 + 1 + 1 = 2.5 s of them in its 3.5 s
+    busy = [[(0.0, 1.0, (0, "F", 0)), (1.5, 2.5, (0, "F", 1)), (3.0, 5.0, (0, "B", 0))], [(0.5, 4.0, (1, "F", 0))]]
+    got = busy_ranks(busy, 1)
+    assert got[(1, "F", 0)] == pytest.approx(1 + 2.5 / 3.5)
+    assert got[(0, "F", 0)] == pytest.approx(1.5) and got[(0, "F", 1)] == 2.0 and got[(0, "B", 0)] == 1.5
 
 
 def test_ranks_that_never_overlap_each_run_alone():

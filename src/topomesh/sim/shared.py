@@ -23,6 +23,8 @@ lock-step ranks meeting at every layer's collective see.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 
 from topomesh.cost.cluster import Cluster
@@ -43,24 +45,34 @@ def busy_ranks(busy: Sequence[Sequence[tuple[float, float, ActionKey]]], ranks_p
                ) -> dict[ActionKey, float]:
     """Per action, the mean number of the node's ranks busy while it ran: its own stage's
     ``ranks_per_stage``, plus as many for each other pipeline rank times the share of the
-    action's interval that rank was busy.
+    action's interval that rank was busy. A rank's intervals follow each other in time.
 
     >>> busy_ranks([[(0.0, 2.0, (0, "F", 0))], [(1.0, 3.0, (1, "F", 0))]], 2)
     {(0, 'F', 0): 3.0, (1, 'F', 0): 3.0}
     """
+    clocks = [_BusyClock(mine) for mine in busy]
     out: dict[ActionKey, float] = {}
     for r, mine in enumerate(busy):
         for start, end, key in mine:
             length = end - start
-            if length <= 0:
-                out[key] = float(ranks_per_stage)
-                continue
-            others = 0.0
-            for q, theirs in enumerate(busy):
-                if q != r:
-                    others += sum(max(0.0, min(end, e) - max(start, s)) for s, e, _ in theirs) / length
-            out[key] = ranks_per_stage * (1.0 + others)
+            seen = sum(c.until(end) - c.until(start) for q, c in enumerate(clocks) if q != r)
+            out[key] = ranks_per_stage * (1.0 + (seen / length if length > 0 else 0.0))
     return out
+
+
+class _BusyClock:
+    """Seconds one rank was busy up to a time, from its intervals in order (bisection)."""
+
+    def __init__(self, intervals: Sequence[tuple[float, float, ActionKey]]) -> None:
+        self.starts = [s for s, _, _ in intervals]
+        self.ends = [e for _, e, _ in intervals]
+        self.before = list(itertools.accumulate((e - s for s, e, _ in intervals), initial=0.0))
+
+    def until(self, t: float) -> float:
+        i = bisect.bisect_right(self.starts, t) - 1
+        if i < 0:
+            return 0.0
+        return self.before[i] + min(t, self.ends[i]) - self.starts[i]
 
 
 def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Action]], stage_rank: Sequence[int],
