@@ -79,7 +79,10 @@ class ParallelOptions:
     """Keep logits vocab-sharded and compute the loss under ``loss_parallel()``."""
     checkpointing: Checkpointing = Checkpointing.NONE
     reshard_after_forward: bool = True
-    """FSDP2: free unsharded block parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+    """FSDP2: free unsharded block parameters after forward (ZeRO-3) or keep them (ZeRO-2).
+    Under a pipeline the simulator keeps them from a stage's first forward to its last backward,
+    as torchtitan does there; a stage module is set so with
+    ``FSDPModule.set_reshard_after_forward(False)`` (``topomesh validate``'s worker does)."""
     param_dtype: torch.dtype | None = None
     """FSDP2 mixed precision: parameters are gathered and used in this dtype while the sharded
     master copy (and the optimizer) keep the model's dtype, e.g. bf16 over fp32 masters."""
