@@ -40,6 +40,22 @@ def test_compare_flags_a_wrong_fastest():
     assert (out["fastest_predicted"], out["fastest_measured"], out["fastest_correct"]) == ("a", "b", False)
 
 
+def test_step_spread_is_the_interquartile_range_over_the_median(capsys, monkeypatch):
+    # eight steps 100..170 ms by 10: inclusive quartiles at positions 1.75 and 5.25 of the
+    # sorted steps, 117.5 and 152.5 ms; median 135 ms: (152.5 - 117.5) / 135
+    steps = tuple(x / 1000 for x in (170, 100, 160, 110, 150, 120, 140, 130))
+    r = dataclasses.replace(_r("a", 0.13, 0.135), steps_s=steps)
+    assert r.spread == pytest.approx(35 / 135)
+    assert _r("b", 1.0, 1.0).spread is None  # no steps kept
+    out = compare([r])
+    assert out["layouts"][0]["measured_spread"] == pytest.approx(35 / 135)
+    from topomesh.cli.validate import _print
+
+    monkeypatch.setenv("COLUMNS", "200")  # every column of the table on one line
+    _print({**out, "model": "m", "global_batch": 4, "threads": 1})
+    assert "25.9%" in capsys.readouterr().out  # the table's step IQR column
+
+
 def test_compare_needs_a_layout():
     with pytest.raises(LayoutError, match="at least one layout"):
         compare([])

@@ -164,12 +164,14 @@ def _print(report: dict) -> None:
 
     table = Table(title=f"{report['model']}: predicted (local cluster) vs measured, global batch "
                         f"{report['global_batch']}, {report['threads']} thread(s) per process")
-    for col in ("layout", "ranks", "predicted ms", "measured ms", "error", "CPU ms", "pred. peak MB",
+    for col in ("layout", "ranks", "predicted ms", "measured ms", "error", "step IQR", "CPU ms", "pred. peak MB",
                 "meas. peak MB", "mem error", "load"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for r in report["layouts"]:
         table.add_row(r["layout"], str(r["world_size"]), f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
-                      f"{r['error'] * 100:+.1f}%", f"{r['measured_cpu_s'] * 1e3:.1f}",
+                      f"{r['error'] * 100:+.1f}%",
+                      "-" if r.get("measured_spread") is None else f"{r['measured_spread'] * 100:.1f}%",
+                      f"{r['measured_cpu_s'] * 1e3:.1f}",
                       f"{r['predicted_peak_bytes'] / 1e6:.1f}",
                       f"{r['measured_peak_bytes'] / 1e6:.1f}", f"{r['memory_error'] * 100:+.1f}%",
                       "/".join(f"{x:.1f}" for x in r["loadavg"]))
