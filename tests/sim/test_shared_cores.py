@@ -221,3 +221,18 @@ def test_under_a_pipeline_shared_core_collectives_gather_and_reduce_once_a_step(
     assert exposed[0] > 0
     assert exposed[1] == pytest.approx(exposed[0], rel=1e-9)
     assert exposed[2] == pytest.approx(exposed[0], rel=1e-9)
+
+
+@pytest.mark.parametrize("kind, axis, phase, role", [
+    ("ALL_GATHER", "dp_shard", "BACKWARD", "gather"),  # FSDP's gather, in any phase but the optimizer's
+    ("REDUCE_SCATTER", "dp_shard", "BACKWARD", "reduce"),
+    ("ALL_REDUCE", "dp_replicate+dp_shard", "BACKWARD", "reduce"),  # HSDP's flattened group
+    ("ALL_REDUCE", "dp_shard", "OPTIMIZER", ""),  # e.g. a gradient norm: the optimizer waits for it
+    ("ALL_REDUCE", "tp", "FORWARD", ""),  # activations, not parameters
+])
+def test_a_collective_role_is_what_a_pipeline_stage_may_drop(kind, axis, phase, role):
+    from topomesh.sim.price import param_role
+    from topomesh.trace.graph import CollectiveKind, Phase
+
+    rec = CollectiveRecord(kind=CollectiveKind[kind], bytes=1024, group_size=2, mesh_axis=axis, phase=Phase[phase])
+    assert param_role(rec) == role

@@ -42,16 +42,19 @@ def test_busy_ranks_counts_the_others_share_of_each_interval():
     assert got[(0, "F", 0)] == pytest.approx(1.5) and got[(0, "F", 1)] == 2.0 and got[(0, "B", 0)] == 1.5
 
 
-def test_ranks_that_never_overlap_each_run_alone():
-    # two ranks on one core: lock-step prices everything at share 2 (F 2 s, B 4 s + a 1 s
-    # collective). One micro-batch: F0, F1, B1, B0 run one after the other, each alone at
-    # share 1: 1 + 1 + (2 + 0.5) + (2 + 0.5) = 7 s, half the lock-step 14 s.
-    cluster = sharing(cores=1)
-    assert cluster.core_share == cluster.compute_share == 2.0
-    plans = [plan(2.0, 4.0, 1.0), plan(2.0, 4.0, 1.0)]
+@pytest.mark.parametrize("stretch", [None, 1.6])
+def test_ranks_that_never_overlap_each_run_alone(stretch):
+    # two ranks on one core: lock-step prices compute at the measured stretch (else the core
+    # share, 2) and collectives at the core share: F 1 s and B 2 s alone, a 0.5 s collective
+    # alone at 1 s. One micro-batch: F0, F1, B1, B0 run one after the other, each alone at
+    # share 1: 1 + 1 + (2 + 0.5) + (2 + 0.5) = 7 s, half the lock-step 14 s without a stretch.
+    cluster = dataclasses.replace(sharing(cores=1), compute_stretch=stretch)
+    c = cluster.compute_share
+    assert cluster.core_share == 2.0 and c == (stretch or 2.0)
+    plans = [plan(1.0 * c, 2.0 * c, 1.0), plan(1.0 * c, 2.0 * c, 1.0)]
     actions = [[Action(0, Kind.F, 0), Action(0, Kind.B, 0)], [Action(1, Kind.F, 0), Action(1, Kind.B, 0)]]
     lock_step = simulate_pipeline(plans, actions, [0, 1], 0.0)
-    assert lock_step.step_time_s == pytest.approx(14.0)
+    assert lock_step.step_time_s == pytest.approx(6.0 * c + 2.0)
     run = shared_pipeline(plans, actions, [0, 1], 0.0, cluster, ranks_per_stage=1)
     assert run.step_time_s == pytest.approx(7.0, rel=1e-3)
     assert run.ranks[0].exposed["tp"] == pytest.approx(0.5, rel=1e-3)

@@ -213,19 +213,13 @@ class Pricer:
                 elif e.group_size > 1:
                     if host:
                         compute += self._host_s(e)
-                    if is_param_collective(e) and e.kind is not CollectiveKind.ALL_GATHER and e.phase is not Phase.OPTIMIZER:
-                        reduced += e.bytes
                     role = param_role(e)
-                    if shared:
-                        blocking.append(e)  # no overlap: the compute cores run it
-                        gathered += e.bytes if is_param_collective(e) and e.kind is CollectiveKind.ALL_GATHER else 0
-                    elif role == "gather":
-                        gather.append(e)
-                        gathered += e.bytes
-                    elif role == "reduce":
-                        reduce.append(e)
+                    gathered += e.bytes if role == "gather" else 0
+                    reduced += e.bytes if role == "reduce" else 0
+                    if shared or not role:
+                        blocking.append(e)  # shared: no overlap, the compute cores run it
                     else:
-                        blocking.append(e)
+                        (gather if role == "gather" else reduce).append(e)
         extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]
         if host:
             compute += sum(self._host_s(e) for e in extra)  # prefetched here

@@ -87,11 +87,11 @@ def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Actio
         moved = 0.0
         for key, k in busy_ranks([st.busy for st in run.ranks], ranks_per_stage).items():
             share = cluster.cores_share_at(k)
-            want = (share / full_compute, share / full_comm)
-            was = scale.get(key, (1.0, 1.0))
-            now = tuple(a + DAMPING * (b - a) for a, b in zip(was, want, strict=True))
-            moved = max(moved, abs(now[0] - was[0]), abs(now[1] - was[1]))
-            scale[key] = now  # type: ignore[assignment]
+            compute, comm = scale.get(key, (1.0, 1.0))
+            step_compute = DAMPING * (share / full_compute - compute)
+            step_comm = DAMPING * (share / full_comm - comm)
+            scale[key] = (compute + step_compute, comm + step_comm)
+            moved = max(moved, abs(step_compute), abs(step_comm))
         run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale)
         if moved < SETTLED:
             break

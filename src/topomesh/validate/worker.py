@@ -301,6 +301,7 @@ def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from topomesh.trace.tracer import causal_lm_loss
 
@@ -315,8 +316,6 @@ def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int
     sharded_loss = tp > 1 and last
 
     def step(tokens: torch.Tensor) -> None:
-        from torch.distributed.tensor.parallel import loss_parallel
-
         args = (tokens,) if stage == 0 else ()
         # return_outputs=False: by default the last stage keeps every micro-batch's output (the
         # logits) to return them merged, 4.2 MB more at its peak here that training never reads
