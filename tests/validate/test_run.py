@@ -15,7 +15,7 @@ from topomesh.cli.validate import _global_batch, _layouts
 from topomesh.errors import LayoutError
 from topomesh.models.presets import get_preset
 from topomesh.models.transformer import Transformer
-from topomesh.validate.run import LayoutResult, compare, layout_result
+from topomesh.validate.run import LayoutResult, ValidateError, compare, layout_result
 from topomesh.validate.worker import StageModel, peak_in_window
 
 
@@ -302,3 +302,94 @@ def test_a_profile_without_what_the_layouts_need_is_calibrated_again(tmp_path, m
     monkeypatch.setattr(calibrate, "spawn_local", spawn)
     got = run.ensure_collectives(4)
     assert (got, spawned) == ((tmp_path / "new.json", [4]) if again else (saved, []))
+
+
+class _Breakdown:
+    compute_s, exposed_comm_s, bubble_s, optimizer_s, p2p_s = 0.1, {}, 0.0, 0.01, 0.0
+
+
+class _Prediction:
+    def __init__(self, step: float, peak: int = 10):
+        self.step_time_s, self.peak_memory_bytes, self.breakdown = step, peak, _Breakdown()
+
+
+def _record(steps: list[float], peak: int, load: float) -> dict:
+    return {"step_s": steps, "cpu_s": [s / 2 for s in steps], "page_faults": [1] * len(steps), "peak_bytes": [peak, 1],
+            "world_size": 2, "microbatches": 1, "loadavg_before": [load, 0, 0], "loadavg_after": [load + 1, 0, 0]}
+
+
+def test_repeated_runs_pool_every_step_and_take_the_middle_prediction():
+    from topomesh.validate.run import pooled_result
+
+    passes = [(_Prediction(1.0), _record([2.0, 4.0], 7, 0.5)), (_Prediction(3.0), _record([3.0, 9.0, 1.0], 9, 1.5)),
+              (_Prediction(2.0), _record([5.0], 8, 2.5))]
+    r = pooled_result("tp=2", passes)
+    # steps 2, 4, 3, 9, 1, 5 -> sorted 1 2 3 4 5 9: median (3 + 4) / 2; predictions 1, 3, 2 -> 2
+    assert (r.measured_s, r.predicted_s) == (3.5, 2.0)
+    assert r.measured_cpu_s == 1.75 and r.measured_peak_bytes == 9  # CPU halves; the largest peak of any run
+    assert r.runs_s == (3.0, 3.0, 5.0) and r.predicted_runs_s == (1.0, 3.0, 2.0)  # each run's own median
+    assert r.steps_s == (2.0, 4.0, 3.0, 9.0, 1.0, 5.0) and r.loadavg == (0.5, 1.5, 1.5, 2.5, 2.5, 3.5)
+    d = r.to_dict()
+    assert d["measured_runs_s"] == [3.0, 3.0, 5.0] and d["predicted_runs_s"] == [1.0, 3.0, 2.0]
+    # an even count takes the lower middle prediction: 1, 3 -> 1
+    assert pooled_result("tp=2", passes[:2]).predicted_s == 1.0
+    one = pooled_result("tp=2", passes[2:])
+    assert (one.measured_s, one.predicted_s, one.runs_s) == (5.0, 2.0, (5.0,))
+    with pytest.raises(ValidateError, match="layout tp=2 has no real run"):
+        pooled_result("tp=2", [])
+    with pytest.raises(ValidateError, match="a real run of layout tp=2 timed no steps"):
+        pooled_result("tp=2", [passes[0], (_Prediction(1.0), _record([], 7, 0.5))])
+
+
+def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys):
+    """The CLI with its calibration, tracing and real runs faked: the layouts are taken in
+    turn, each run after its own prediction, and the report pools them."""
+    from types import SimpleNamespace
+
+    from topomesh.cli import validate as cli
+    from topomesh.cost import cluster
+    from topomesh.sim import simulate
+    from topomesh.validate import run as vrun
+
+    order: list[str] = []
+    steps = {"dp_shard=1": iter([[1.0, 1.2], [1.4, 1.6]]), "tp=2": iter([[2.0], [3.0]])}
+    predictions = iter([1.1, 2.4, 1.3, 2.6])
+
+    class FakeSim:
+        def __init__(self, *, model, cluster, cache, table=None):  # noqa: ANN001
+            self.cluster = cluster
+
+        def trace(self, layout, training):  # noqa: ANN001, ANN202
+            return SimpleNamespace(traced_layers=99, events=list)
+
+        def simulate(self, layout, training):  # noqa: ANN001, ANN202
+            return _Prediction(next(predictions))
+
+    def measure(model, seq_len, layout, training, **kw):  # noqa: ANN001, ANN003, ANN202
+        text = "tp=2" if layout.world_size == 2 else "dp_shard=1"
+        order.append(text)
+        return _record(next(steps[text]), 5, 0.0)
+
+    monkeypatch.setattr(simulate, "Simulator", FakeSim)
+    monkeypatch.setattr(cluster, "local_cluster", lambda gpus: None)
+    monkeypatch.setattr(vrun, "ensure_collectives", lambda world: None)
+    monkeypatch.setattr(vrun, "ensure_ops", lambda records, progress=None: {})
+    monkeypatch.setattr(vrun, "measure", measure)
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--model", "tiny-llama", "--layouts", "dp_shard=1", "--layouts", "tp=2", "--repeats", "2",
+                         "--no-in-step", "--json"])
+    assert cli.run(args) == 0
+    assert order == ["dp_shard=1", "tp=2", "dp_shard=1", "tp=2"]
+    report = json.loads(capsys.readouterr().out)
+    assert report["repeats"] == 2
+    one, two = report["layouts"]
+    assert one["measured_s"] == pytest.approx(1.3) and one["measured_runs_s"] == pytest.approx([1.1, 1.5])
+    assert one["predicted_runs_s"] == [1.1, 1.3] and one["predicted_s"] == 1.1  # the lower middle of two
+    assert two["measured_s"] == 2.5 and two["predicted_s"] == 2.4
+    monkeypatch.setenv("COLUMNS", "250")  # every column of the table on one line
+    cli._print(report)
+    assert "1100/1500" in capsys.readouterr().out  # each run's median, in the order run
+    args.repeats = 0
+    with pytest.raises(LayoutError, match="--repeats must be a positive integer, got 0"):
+        cli.run(args)

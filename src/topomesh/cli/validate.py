@@ -10,8 +10,9 @@ Examples::
 Calibrates what it needs once (the gloo collective profile with ``topomesh calibrate``,
 the ops of the layouts' traces with ``topomesh profile``'s :func:`~topomesh.cost.ops.profile_ops`,
 at ``--threads`` threads), predicts each layout, runs it (``topomesh launch --standalone``,
-``--warmup`` steps discarded, the median of ``--steps`` timed steps, peak memory from the
-profiler's allocation records) and prints predicted, measured and error per layout, the
+``--warmup`` steps discarded, the median of ``--steps`` timed steps — of every run's steps
+with ``--repeats N``, the layouts run in turn N times — peak memory from the profiler's
+allocation records) and prints predicted, measured and error per layout, the
 mean and max absolute error and whether the predicted fastest is the measured fastest
 (:mod:`topomesh.validate.run`).
 """
@@ -36,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"a layout to run (repeatable; its world is the product of the degrees); "
                         f"default: {' | '.join(DEFAULT_LAYOUTS)}")
     p.add_argument("--steps", type=int, default=8, metavar="N", help="timed steps per layout, median taken (default 8)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="real runs per layout, the layouts taken in turn N times, each run after its own in-step "
+                        "timing and prediction; all their steps pooled (default 1). Two processes on a small VM "
+                        "move ±5 %% from one run to the next: this averages a slow spell out")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="steps discarded first (default 2, at least 2)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch threads per process, in the runs and in the op table (default 1)")
@@ -88,11 +93,11 @@ def run(args: argparse.Namespace) -> int:
         ensure_collectives,
         ensure_ops,
         in_step_tables,
-        layout_result,
         measure,
+        pooled_result,
     )
 
-    for name in ("steps", "threads"):
+    for name in ("steps", "threads", "repeats"):
         if getattr(args, name) < 1:
             raise LayoutError(f"--{name} must be a positive integer, got {getattr(args, name)}.")
     if args.warmup < 2:
@@ -121,23 +126,26 @@ def run(args: argparse.Namespace) -> int:
         records += [e for e in full.events() if isinstance(e, OpRecord)]
     with err.status("op table (ops not yet measured at this thread count)") as status:
         table = ensure_ops(records, progress=lambda d, n, op: status.update(f"profiling ops {d}/{n}: {op}"))
-    results = []
-    for text, lay in layouts:
-        in_step: dict[str, dict] = {}
-        if args.in_step:  # just before the real run: this VM's speed drifts over minutes
-            with err.status(f"timing {text}'s ops inside its step (its traced step replayed)"):
-                in_step = in_step_tables(args.model, args.seq_len, [(text, lay)], training, threads=args.threads)
-        # one simulator per layout: op times are memoized per simulator, and each layout has its own
-        sim = Simulator(model=model, cluster=sims[lay.world_size].cluster, cache=cache,
-                        table={**table, **in_step.get(text, {})})
-        predicted = sim.simulate(lay, training)
-        with err.status(f"running {text} for real ({lay.world_size} processes, {args.steps} steps)"):
-            record = measure(args.model, args.seq_len, lay, training, steps=args.steps, warmup=args.warmup,
-                             threads=args.threads)
-        results.append(layout_result(text, predicted, record))
+    passes: dict[str, list] = {text: [] for text, _ in layouts}
+    for n in range(args.repeats):  # the layouts in turn: a slow spell of the VM falls on all of them
+        tag = f"run {n + 1}/{args.repeats}: " if args.repeats > 1 else ""
+        for text, lay in layouts:
+            in_step: dict[str, dict] = {}
+            if args.in_step:  # just before the real run: this VM's speed drifts over minutes
+                with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed)"):
+                    in_step = in_step_tables(args.model, args.seq_len, [(text, lay)], training, threads=args.threads)
+            # one simulator per layout: op times are memoized per simulator, and each layout has its own
+            sim = Simulator(model=model, cluster=sims[lay.world_size].cluster, cache=cache,
+                            table={**table, **in_step.get(text, {})})
+            predicted = sim.simulate(lay, training)
+            with err.status(f"{tag}running {text} for real ({lay.world_size} processes, {args.steps} steps)"):
+                record = measure(args.model, args.seq_len, lay, training, steps=args.steps, warmup=args.warmup,
+                                 threads=args.threads)
+            passes[text].append((predicted, record))
+    results = [pooled_result(text, passes[text]) for text, _ in layouts]
     report = compare(results)
     report.update({"model": model.spec.name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
-                   "warmup": args.warmup, "cpus": len(_affinity()),
+                   "warmup": args.warmup, "repeats": args.repeats, "cpus": len(_affinity()),
                    "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
                                      max(x for r in results for x in r.loadavg or (0,))]})
     if args.png:
@@ -164,12 +172,14 @@ def _print(report: dict) -> None:
 
     table = Table(title=f"{report['model']}: predicted (local cluster) vs measured, global batch "
                         f"{report['global_batch']}, {report['threads']} thread(s) per process")
-    for col in ("layout", "ranks", "predicted ms", "measured ms", "error", "step IQR", "CPU ms", "pred. peak MB",
-                "meas. peak MB", "mem error", "load"):
+    runs = any(len(r.get("measured_runs_s") or ()) > 1 for r in report["layouts"])
+    for col in ("layout", "ranks", "predicted ms", "measured ms", "error", *(("runs' medians ms",) if runs else ()),
+                "step IQR", "CPU ms", "pred. peak MB", "meas. peak MB", "mem error", "load"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for r in report["layouts"]:
+        each = ("/".join(f"{x * 1e3:.0f}" for x in r.get("measured_runs_s") or ()),) if runs else ()
         table.add_row(r["layout"], str(r["world_size"]), f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
-                      f"{r['error'] * 100:+.1f}%",
+                      f"{r['error'] * 100:+.1f}%", *each,
                       "-" if r.get("measured_spread") is None else f"{r['measured_spread'] * 100:.1f}%",
                       f"{r['measured_cpu_s'] * 1e3:.1f}",
                       f"{r['predicted_peak_bytes'] / 1e6:.1f}",

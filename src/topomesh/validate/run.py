@@ -21,6 +21,7 @@ means, whether the predicted fastest layout is the measured fastest).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -72,8 +73,12 @@ class LayoutResult:
     world_size: int = 1
     microbatches: int = 1
     loadavg: tuple[float, ...] = ()
-    """1-minute load average before and after the run."""
+    """1-minute load average before and after the run (of each run, with ``--repeats``)."""
     breakdown: dict[str, Any] = field(default_factory=dict)
+    runs_s: tuple[float, ...] = ()
+    """Each real run's median step (s), in the order they ran (``--repeats``; one entry for one run)."""
+    predicted_runs_s: tuple[float, ...] = ()
+    """The prediction made just before each of those runs (s)."""
 
     @property
     def error(self) -> float:
@@ -106,7 +111,8 @@ class LayoutResult:
             "memory_error": self.memory_error, "measured_cpu_s": self.measured_cpu_s, "page_faults": self.page_faults,
             "cpu_error": (self.predicted_s - self.measured_cpu_s) / self.measured_cpu_s if self.measured_cpu_s else None,
             "steps_s": list(self.steps_s), "measured_spread": self.spread, "loadavg": list(self.loadavg),
-            "breakdown": self.breakdown,
+            "breakdown": self.breakdown, "measured_runs_s": list(self.runs_s),
+            "predicted_runs_s": list(self.predicted_runs_s),
         }
 
 
@@ -265,4 +271,33 @@ def layout_result(spec_text: str, prediction: Any, record: dict[str, Any]) -> La
         loadavg=load,
         breakdown={"compute_s": b.compute_s, "exposed_comm_s": dict(b.exposed_comm_s), "bubble_s": b.bubble_s,
                    "optimizer_s": b.optimizer_s, "p2p_s": b.p2p_s},
+        runs_s=(statistics.median(steps),), predicted_runs_s=(prediction.step_time_s,),
     )
+
+
+def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) -> LayoutResult:
+    """One layout's :class:`LayoutResult` over several real runs (``--repeats``), each
+    ``(prediction, worker record)`` with the prediction made just before its run.
+
+    Measured: the median of every timed step of every run (and so for CPU time and page
+    faults), the largest peak any rank reached in any run. Predicted: the median prediction
+    (the lower middle one for an even count), with its breakdown. A slow spell of the machine
+    then moves one run's steps among several, not the whole measurement. The load average
+    is kept from before and after every run.
+    """
+    if not passes:
+        raise ValidateError(f"layout {spec_text} has no real run to report.")
+    records = [rec for _, rec in passes]
+    if any(not r["step_s"] for r in records):
+        raise ValidateError(f"a real run of layout {spec_text} timed no steps.")
+    merged = {**records[0],
+              "step_s": [s for r in records for s in r["step_s"]],
+              "cpu_s": [s for r in records for s in r.get("cpu_s") or ()],
+              "page_faults": [s for r in records for s in r.get("page_faults") or ()],
+              "peak_bytes": [max(p for r in records for p in r["peak_bytes"])]}
+    order = sorted(range(len(passes)), key=lambda i: passes[i][0].step_time_s)
+    middle = passes[order[(len(order) - 1) // 2]][0]
+    pooled = layout_result(spec_text, middle, merged)
+    load = tuple(x[0] for r in records for x in (r.get("loadavg_before"), r.get("loadavg_after")) if x)
+    return dataclasses.replace(pooled, runs_s=tuple(statistics.median(r["step_s"]) for r in records),
+                               predicted_runs_s=tuple(p.step_time_s for p, _ in passes), loadavg=load)
