@@ -326,7 +326,7 @@ def test_repeated_runs_pool_every_step_and_take_the_middle_prediction():
     r = pooled_result("tp=2", passes)
     # steps 2, 4, 3, 9, 1, 5 -> sorted 1 2 3 4 5 9: median (3 + 4) / 2; predictions 1, 3, 2 -> 2
     assert (r.measured_s, r.predicted_s) == (3.5, 2.0)
-    assert r.measured_cpu_s == 1.75 and r.measured_peak_bytes == 9  # CPU halves; the largest peak of any run
+    assert r.measured_cpu_s == 1.75 and r.measured_peak_bytes == 8  # CPU halves; peaks 7, 9, 8: the middle one
     assert r.runs_s == (3.0, 3.0, 5.0) and r.predicted_runs_s == (1.0, 3.0, 2.0)  # each run's own median
     assert r.steps_s == (2.0, 4.0, 3.0, 9.0, 1.0, 5.0) and r.loadavg == (0.5, 1.5, 1.5, 2.5, 2.5, 3.5)
     d = r.to_dict()

@@ -280,7 +280,7 @@ def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) 
     ``(prediction, worker record)`` with the prediction made just before its run.
 
     Measured: the median of every timed step of every run (and so for CPU time and page
-    faults), the largest peak any rank reached in any run. Predicted: the median prediction
+    faults); the peak (the largest rank's) of the middle run by peak. Predicted: the median prediction
     (the lower middle one for an even count), with its breakdown. A slow spell of the machine
     then moves one run's steps among several, not the whole measurement. The load average
     is kept from before and after every run.
@@ -294,7 +294,7 @@ def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) 
               "step_s": [s for r in records for s in r["step_s"]],
               "cpu_s": [s for r in records for s in r.get("cpu_s") or ()],
               "page_faults": [s for r in records for s in r.get("page_faults") or ()],
-              "peak_bytes": [max(p for r in records for p in r["peak_bytes"])]}
+              "peak_bytes": [statistics.median_low(max(r["peak_bytes"]) for r in records)]}
     order = sorted(range(len(passes)), key=lambda i: passes[i][0].step_time_s)
     middle = passes[order[(len(order) - 1) // 2]][0]
     pooled = layout_result(spec_text, middle, merged)
