@@ -53,9 +53,10 @@ def test_results_from_stored_digests_equal_results_from_the_traces(model, cluste
     assert [warm.simulate(lay, t).to_dict() for lay, t in CASES] == direct
     assert warm.cache.hits + warm.cache.misses == 0  # no trace read: the digests stood for them
     assert warm._digests.hits == len(CASES)
-    # the timeline path prices the same digest on the links
+    # the timeline path prices the same digest on the links (the Python engine, which sums
+    # the pieces in its own order: the two engines agree to 1e-9, tests/sim/test_kernel.py)
     lay, t = CASES[2]
-    assert warm.simulate(lay, t, record=True).step_time_s == direct[2]["step_time_s"]
+    assert warm.simulate(lay, t, record=True).step_time_s == pytest.approx(direct[2]["step_time_s"], rel=1e-9)
 
 
 def test_a_digest_round_trips_exactly(model, cluster) -> None:  # noqa: ANN001

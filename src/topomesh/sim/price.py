@@ -39,7 +39,7 @@ from enum import StrEnum
 from topomesh.cost.cluster import AxisLink, Cluster, group_collective_time_s
 from topomesh.cost.ops import OpClass, itemsize, op_class, op_time_s, profilable
 from topomesh.layout.dims import Axis
-from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase
+from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase, TensorMeta
 from topomesh.trace.result import Part, Segment, StateBytes, Trace
 
 
@@ -119,6 +119,27 @@ class PricedClass:
     measured_ops: int = 0
     roofline_ops: int = 0
     links: Mapping[str, AxisLink] = field(default_factory=dict)
+    grad_add_s_per_byte: float = 0.0
+    """Seconds per byte moved by adding gradients into those kept from the step's earlier
+    micro-batches (:func:`grad_add_s_per_byte`)."""
+
+
+GRAD_ADD_PROBE_BYTES = 64 * 2**20
+
+
+def grad_add_s_per_byte(pricer: Pricer) -> float:
+    """Seconds per byte moved (read or written) by the in-place add a backward makes of its
+    gradients into the ones kept from the step's earlier micro-batches: autograd's
+    ``AccumulateGrad`` (``grad += new``) and FSDP2's unsharded accumulated gradient under a
+    pipeline (``FSDPParam.unsharded_accumulated_grad += unsharded_param.grad``), which the
+    trace of one micro-batch does not contain. An elementwise add, priced like any op of the
+    step (the op table, else the roofline at the device's memory bandwidth) on a 64 MiB
+    float32 probe that moves three times its size."""
+    n = GRAD_ADD_PROBE_BYTES // 4
+    t = TensorMeta(shape=(n,), dtype="float32", stride=(1,))
+    add = OpRecord(op="aten.add_.Tensor", inputs=(t, t), outputs=(t,), flops=n, bytes_moved=3 * GRAD_ADD_PROBE_BYTES,
+                   phase=Phase.BACKWARD)
+    return pricer.op_s(add)[0] / (3 * GRAD_ADD_PROBE_BYTES)
 
 
 def is_param_collective(rec: CollectiveRecord) -> bool:
@@ -426,6 +447,7 @@ def price_digest(d: ClassDigest, pricer: Pricer) -> PricedClass:
         boundary_bytes=d.boundary_bytes,
         measured_ops=sum(p.measured for p in d.pieces().values()),
         roofline_ops=sum(p.roofline for p in d.pieces().values()),
+        grad_add_s_per_byte=grad_add_s_per_byte(pricer),
     )
 
 

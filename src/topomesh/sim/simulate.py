@@ -408,10 +408,16 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
     (``PipelineStage.backward_maybe_with_nosync``), and FSDP keeps its parameters after
     forward (``reshard_after_forward`` off: torchtitan's default under PP, "to avoid
     per-microbatch all-gathers", and what ``topomesh validate`` runs): parameters are gathered
-    in the stage's first forward only and gradients reduced in its last backward only."""
+    in the stage's first forward only and gradients reduced in its last backward only.
+
+    Every backward but one also adds its gradients into those kept from the step's earlier
+    micro-batches (:func:`_accumulating`): ``micro - 1`` adds a step. They are booked on the
+    backwards before the stage's last, not after its first — the same count, and the plans
+    stay the same for every number of micro-batches."""
     plan = _pieces(p, s, stages, n)
     if not pipelined:
-        return plan
+        return dataclasses.replace(plan, backward_early=_accumulating(p, plan.backward, pipelined=False),
+                                   backward_weight_early=_accumulating(p, plan.backward_weight, pipelined=False))
 
     def strip(pieces: tuple[Piece, ...], what: str) -> tuple[Piece, ...]:
         # where collectives share the compute cores they are all booked blocking: drop by role
@@ -420,8 +426,30 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
 
     return dataclasses.replace(
         plan, backward=strip(plan.backward, "gather"), backward_input=strip(plan.backward_input, "gather"),
-        forward_later=strip(plan.forward, "gather"), backward_early=strip(strip(plan.backward, "gather"), "reduce"),
-        backward_weight_early=strip(plan.backward_weight, "reduce"))
+        forward_later=strip(plan.forward, "gather"),
+        backward_early=_accumulating(p, strip(strip(plan.backward, "gather"), "reduce"), pipelined=True),
+        backward_weight_early=_accumulating(p, strip(plan.backward_weight, "reduce"), pipelined=True))
+
+
+def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool) -> tuple[Piece, ...]:
+    """Backward ``pieces`` with the add of their gradients into the kept ones, which reads the
+    kept and the new gradients and writes the kept, at :attr:`PricedClass.grad_add_s_per_byte`.
+    Kept: the gradients the optimizer sees (:attr:`StateBytes.grads`, the parameters' dtype
+    and sharding; FSDP2 reduces each micro-batch's and adds the shard), new ones alike; under
+    a pipeline with FSDP each unit's unsharded gradient in the reduce dtype (the reduction's
+    input, ``reduce_bytes``) and new ones in the dtype the parameters are gathered in
+    (``gather_bytes``): float32 += bfloat16 under mixed precision. FSDP2's first cast of the
+    new gradients to the reduce dtype (the step's first backward) is not counted."""
+    state = {"embed": p.first_state, "block": p.block_state, "head": p.last_state}
+    out = []
+    for pc in pieces:
+        w = pc.work
+        if pipelined and w.reduce_bytes:
+            moved = 2 * w.reduce_bytes + (w.gather_bytes or w.reduce_bytes)
+        else:
+            moved = 3 * state[pc.label.split()[0]].grads
+        out.append(dataclasses.replace(pc, work=dataclasses.replace(w, compute_s=w.compute_s + moved * p.grad_add_s_per_byte)))
+    return tuple(out)
 
 
 def _pieces(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
@@ -435,7 +463,9 @@ def _pieces(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
     bwd = pieces(*bwd_items)
     bwd_i = tuple(Piece(work=dataclasses.replace(w, reduce=(), compute_s=w.compute_s - w.weight_grad_s), count=c,
                         label=lbl.replace("bwd", "bwd-I")) for w, c, lbl, keep in bwd_items if keep and c)
-    bwd_w = tuple(Piece(work=Work(compute_s=w.weight_grad_s, reduce=w.reduce), count=c, label=lbl.replace("bwd", "bwd-W"))
+    bwd_w = tuple(Piece(work=Work(compute_s=w.weight_grad_s, reduce=w.reduce, gather_bytes=w.gather_bytes,
+                                  reduce_bytes=w.reduce_bytes), count=c,
+                        label=lbl.replace("bwd", "bwd-W"))
                   for w, c, lbl, keep in bwd_items if keep and c)
     opt = pieces((p.opt_block, n, "optimizer", True), (p.opt_first, 1, "optimizer (embed)", first),
                  (p.opt_last, 1, "optimizer (head)", last))

@@ -1,0 +1,103 @@
+"""Gradient accumulation: every backward of a step but one adds its gradients into those
+kept from the earlier micro-batches (autograd's ``grad += new``; FSDP2's unsharded
+accumulated gradient under a pipeline), ``micro - 1`` memory-bound adds the trace of one
+micro-batch does not contain. Expected values are worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from topomesh.sim.engine import simulate_pipeline
+from topomesh.sim.price import GRAD_ADD_PROBE_BYTES, PricedClass, Pricer, Work, grad_add_s_per_byte
+from topomesh.sim.schedules import Schedule, action_order
+from topomesh.sim.simulate import _stage_plan
+from topomesh.trace.result import StateBytes
+
+
+def _priced(*, rate: float, block_reduce_bytes: int = 0, block_gather_bytes: int = 0) -> PricedClass:
+    # per block: forward 0.5 s, backward 1.0 s; 1000 B of gradients per block, 200 B in the
+    # embedding, 300 B in the head (as the optimizer sees them); ``rate`` per byte moved
+    empty = Work()
+    return PricedClass(fwd_pre=empty, fwd_block=Work(compute_s=0.5), fwd_post=empty, bwd_post=empty,
+                       bwd_block=Work(compute_s=1.0, reduce_bytes=block_reduce_bytes, gather_bytes=block_gather_bytes), bwd_pre=empty,
+                       opt_block=empty, opt_first=empty, opt_last=empty,
+                       block_state=StateBytes(grads=1000), first_state=StateBytes(grads=200),
+                       last_state=StateBytes(grads=300), boundary_bytes=0, grad_add_s_per_byte=rate)
+
+
+def _compute(pieces) -> float:  # noqa: ANN001
+    return sum(pc.work.compute_s * pc.count for pc in pieces)
+
+
+def test_each_backward_but_one_adds_the_kept_gradients():
+    # one stage of 2 blocks, 4 micro-batches, 1 ms per byte moved, an add moving 3 bytes per
+    # byte kept (read kept and new, write kept): forwards 4 x 1 s, the last backward 2 s, the
+    # three others 2 s + 3 x (2 x 1000 + 200 + 300) B x 1 ms = 9.5 s: 34.5 s; without the adds 12 s
+    from topomesh.sim import kernel
+
+    plan = _stage_plan(_priced(rate=1e-3), 0, 1, 2)
+    assert _compute(plan.backward) == pytest.approx(2.0) and _compute(plan.backward_early) == pytest.approx(9.5)
+    assert _compute(plan.backward_weight_early) - _compute(plan.backward_weight) == pytest.approx(7.5)
+    actions = action_order(Schedule.ONE_F_ONE_B, pp=1, microbatches=4)
+    assert simulate_pipeline([plan], actions, [0], 0.0).step_time_s == pytest.approx(34.5)
+    assert kernel.run([plan], Schedule.ONE_F_ONE_B, 1, 4, 1, [0], 0.0).step_time_s == pytest.approx(34.5)
+    one = action_order(Schedule.ONE_F_ONE_B, pp=1, microbatches=1)  # one micro-batch: nothing kept, no add
+    assert simulate_pipeline([plan], one, [0], 0.0).step_time_s == pytest.approx(3.0)
+    free = _stage_plan(_priced(rate=0.0), 0, 1, 2)
+    assert simulate_pipeline([free], actions, [0], 0.0).step_time_s == pytest.approx(12.0)
+
+
+def test_a_pipeline_stage_with_fsdp_adds_its_unsharded_gradients():
+    # FSDP under a pipeline with mixed precision keeps each unit's unsharded gradients in
+    # float32 until the last backward: 4000 B a block (the reduction's input) where the
+    # optimizer sees a 1000 B shard, and adds the new bfloat16 ones, 2000 B (as many as the
+    # gathered parameters): 2 x 4000 + 2000 B moved. A middle stage (no embedding, no head) of
+    # 2 blocks at 1 ms a byte: every backward but the last 2 x (1 + 10) s, the last 2 s.
+    plan = _stage_plan(_priced(rate=1e-3, block_reduce_bytes=4000, block_gather_bytes=2000), 1, 3, 2, pipelined=True)
+    assert _compute(plan.backward_early) == pytest.approx(22.0) and _compute(plan.backward) == pytest.approx(2.0)
+    assert _compute(plan.backward_weight_early) - _compute(plan.backward_weight) == pytest.approx(20.0)
+    # without FSDP the stage adds the gradients the optimizer sees: 2 x (1 + 3) s; the first
+    # stage adds its embedding's too: + 0.6 s
+    assert _compute(_stage_plan(_priced(rate=1e-3), 1, 3, 2, pipelined=True).backward_early) == pytest.approx(8.0)
+    assert _compute(_stage_plan(_priced(rate=1e-3), 0, 3, 2, pipelined=True).backward_early) == pytest.approx(8.6)
+
+
+def test_the_add_is_priced_like_any_op():
+    from topomesh.cost.cluster import load_cluster
+    from topomesh.cost.ops import profile_key
+    from topomesh.trace.graph import OpRecord, Phase, TensorMeta
+
+    h100 = load_cluster("dgx-h100", gpus=8)
+    # the roofline: 3.35 TB/s (datasheet) x 0.9 (the fraction memory-bound kernels reach,
+    # h100-sxm5-80gb.json): 0.332 ps a byte moved (per-picosecond values:
+    # pytest.approx's default absolute tolerance of 1e-12 would pass anything)
+    assert grad_add_s_per_byte(Pricer(h100, lambda _: None, {})) == pytest.approx(1 / (3350e9 * 0.9), rel=1e-9, abs=0)
+    # a measured time for the probe wins: 12 ms for 64 MiB added, 3 x 64 MiB moved
+    n = GRAD_ADD_PROBE_BYTES // 4
+    t = TensorMeta(shape=(n,), dtype="float32", stride=(1,))
+    probe = OpRecord(op="aten.add_.Tensor", inputs=(t, t), outputs=(t,), flops=n, bytes_moved=3 * GRAD_ADD_PROBE_BYTES,
+                     phase=Phase.BACKWARD)
+    table = {profile_key(probe): 0.012}
+    assert grad_add_s_per_byte(Pricer(h100, lambda _: None, table)) == pytest.approx(0.012 / (3 * GRAD_ADD_PROBE_BYTES), rel=1e-9, abs=0)
+
+
+def test_a_step_of_several_micro_batches_pays_the_adds(monkeypatch):
+    """tiny-llama on one H100, 4 micro-batches: the step is longer than with the adds priced at
+    nothing by 3 adds of every gradient byte the rank holds, 3 bytes moved each, at the roofline."""
+    from topomesh.cost.cluster import load_cluster
+    from topomesh.layout.dims import Layout
+    from topomesh.models.presets import get_preset
+    from topomesh.sim import price
+    from topomesh.sim.simulate import Simulator, Training, builtin_model
+
+    def step(rate_fn) -> tuple[float, int]:  # noqa: ANN001
+        monkeypatch.setattr(price, "grad_add_s_per_byte", rate_fn)
+        sim = Simulator(model=builtin_model(get_preset("tiny-llama")), cluster=load_cluster("dgx-h100", gpus=1))
+        r = sim.simulate(Layout(dp_shard=1), Training(global_batch=4))
+        return r.step_time_s, r.memory[0].grads_bytes
+
+    real = price.grad_add_s_per_byte
+    with_adds, grads = step(real)
+    without, _ = step(lambda pricer: 0.0)
+    assert grads > 0
+    assert with_adds - without == pytest.approx(3 * grads * 3 / (3350e9 * 0.9), rel=1e-6)
