@@ -134,6 +134,32 @@ def test_gpipe_bubble_and_p2p_wait():
         assert st.compute_s + st.bubble_s + st.p2p_s + sum(st.exposed.values()) == pytest.approx(st.compute_free)
 
 
+def test_a_late_receive_still_waits_for_the_transfer():
+    """Two stages, 1F1B, 3 micro-batches, F = 1 s, B = 1 s on stage 0 and 3 s on the last,
+    0.25 s sends. Posted ahead, the last stage finds F1 and F2 there when it gets to them (sent
+    at 2 and 7.5 s, needed at 5.25 and 9.25 s): F0 at 1.25 s, then no gap, done at 13.25 s;
+    stage 0's last backward ends at 14.5 s. Posted late (PyTorch's 1F1B batches the receive
+    with the action's wait, and gloo and NCCL move nothing until both sides are in), each of
+    those two forwards waits 0.25 s after the backward before it: the last stage ends at
+    13.75 s, stage 0 at 15.0 s."""
+    def plan(bwd: float) -> StagePlan:
+        return StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=bwd)),),
+                         backward_input=(), backward_weight=(), optimizer=())
+
+    actions = action_order("1f1b", pp=2, microbatches=3)
+    ahead = simulate_pipeline([plan(1.0), plan(3.0)], actions, [0, 1], 0.25)
+    late = simulate_pipeline([plan(1.0), plan(3.0)], actions, [0, 1], 0.25, late_receives=True)
+    assert (ahead.ranks[1].compute_free, ahead.step_time_s) == pytest.approx((13.25, 14.5))
+    assert (late.ranks[1].compute_free, late.step_time_s) == pytest.approx((13.75, 15.0))
+    assert late.ranks[1].p2p_s == pytest.approx(3 * 0.25)  # the first forward's and the two late ones
+    assert ahead.ranks[1].p2p_s == pytest.approx(0.25)
+    from topomesh.sim import kernel
+    from topomesh.sim.schedules import Schedule
+
+    compiled = kernel.run([plan(1.0), plan(3.0)], Schedule.ONE_F_ONE_B, 2, 3, 1, [0, 1], 0.25)
+    assert compiled.step_time_s == pytest.approx(15.0)  # PyTorch's 1F1B: receives posted late
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zbv"])
 def test_memoized_actions_equal_running_every_action(schedule):
     """Repeated pipeline actions are replayed from a memo keyed by the state relative to the

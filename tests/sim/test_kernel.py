@@ -36,13 +36,22 @@ def test_one_f_one_b_takes_m_plus_p_minus_one_rounds():
 
 
 def test_gpipe_with_sends_and_an_optimizer():
-    # 3 stages, 4 micro-batches, F = B = 1 s, 0.5 s sends: 2·4 + 2·2·1.5 = 14 s, then 0.25 s optimizer
+    # 3 stages, 4 micro-batches, F = B = 1 s, 0.5 s sends, each receive posted when the rank
+    # reaches its action (PyTorch's GPipe), the transfer starting then if the data was sent
+    # before. Forwards: stage 1 at 1.5, 3, 4.5, 6 (each after its previous forward + 0.5);
+    # stage 2 at 3, 4.5, 6, 7.5; its backwards 8.5-12.5. Backwards: stage 1 at 10, 11.5, 13,
+    # 14.5; stage 0 at 11.5, 13, 14.5, 16, done at 17 s; then the 0.25 s optimizer. The last
+    # stage pays a send on every forward: 4 x 0.5 s of p2p. (Sends fired and forgotten,
+    # arriving 0.5 s after the forward that made them, gave 2·4 + 2·2·1.5 = 14 s.)
     plan = StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=1.0)),),
                      backward_input=(), backward_weight=(), optimizer=(piece(Work(compute_s=0.25)),))
     run = kernel.run([plan] * 3, Schedule.GPIPE, 3, 4, 1, [0, 1, 2], 0.5)
-    assert run.step_time_s == pytest.approx(14.25)
-    assert run.ranks[-1].p2p_s == pytest.approx(0.5)
+    assert run.step_time_s == pytest.approx(17.25)
+    assert run.ranks[-1].p2p_s == pytest.approx(2.0)
     assert run.ranks[0].optimizer_s == pytest.approx(0.25)
+    # the same step with receives posted ahead (as the multi-stage schedules' runtime does)
+    ahead = simulate_pipeline([plan] * 3, action_order("gpipe", pp=3, microbatches=4), [0, 1, 2], 0.5)
+    assert ahead.step_time_s == pytest.approx(14.25)
 
 
 def test_repeated_blocks_with_a_slow_gather_fast_forward_to_the_hand_value():
@@ -73,7 +82,7 @@ def test_equals_the_python_engine(schedule: Schedule, pp: int, interleave: int):
     stage_rank = owners(schedule, pp, interleave)
     plans = [plan] * len(stage_rank)
     want = simulate_pipeline(plans, action_order(schedule, pp=pp, microbatches=m, interleave=interleave),
-                             stage_rank, 0.3)
+                             stage_rank, 0.3, late_receives=pp > 1 and not schedule.multi_stage)
     got = kernel.run(plans, schedule, pp, m, interleave, stage_rank, 0.3)
     assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert got.critical_rank == want.critical_rank

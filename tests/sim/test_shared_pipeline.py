@@ -104,6 +104,6 @@ def test_the_local_cluster_prices_pipelines_so(monkeypatch):
     alone = Simulator(model=model, cluster=gpu).simulate(Layout(pp=2), training)
     one_core = Simulator(model=model, cluster=dataclasses.replace(gpu, cores=1, threads_per_rank=1)).simulate(
         Layout(pp=2), training)
-    assert calls == [{"ranks_per_stage": 1, "record": False}]
+    assert calls == [{"ranks_per_stage": 1, "record": False, "late_receives": True}]  # 1F1B posts receives late
     # two ranks on one core: never faster than each alone, never slower than lock-step at share 2
     assert alone.step_time_s < one_core.step_time_s < 2 * alone.step_time_s

@@ -273,10 +273,18 @@ def simulate_pipeline(
     *,
     record: bool = False,
     scale: Mapping[ActionKey, tuple[float, float]] | None = None,
+    late_receives: bool = False,
 ) -> EngineResult:
     """Run every pipeline rank's actions; ``plans[s]`` prices global stage ``s``,
     ``stage_rank[s]`` is the rank holding it, ``p2p_s`` one boundary send. ``scale`` stretches
-    single actions: (factor on its compute, factor on its collectives) by action key."""
+    single actions: (factor on its compute, factor on its collectives) by action key.
+
+    A transfer between ranks starts when both sides are in it (NCCL's and gloo's send/recv
+    are rendezvous). With ``late_receives`` a rank posts its receive only when it reaches the
+    action (PyTorch's single-stage schedules, GPipe and 1F1B, batch the receive with the
+    action's wait), so a receiver later than the send still waits ``p2p_s`` for the data;
+    without it the receive was posted ahead (the multi-stage schedules' runtime places each
+    RECV where the sender's compute is lowered) and data sent early is there."""
     ranks = [RankState(spans=[] if record else None) for _ in actions]
     scaled: dict[tuple[int, float, float], tuple[Piece, ...]] = {}
 
@@ -307,7 +315,8 @@ def simulate_pipeline(
                 ready = state.compute_free
                 if dep is not None:
                     cross = stage_rank[dep[0]] != r
-                    arrive = done[dep] + (p2p_s if cross else 0.0)
+                    arrive = (max(done[dep], state.compute_free) if late_receives else done[dep]) + p2p_s \
+                        if cross else done[dep]
                     if arrive > state.compute_free:
                         wait = arrive - state.compute_free
                         p2p_part = min(wait, p2p_s) if cross else 0.0

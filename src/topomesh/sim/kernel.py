@@ -199,7 +199,7 @@ def _run_action(st, ex, ra, r, lst, memo_ok, memo_rel, memo_d, memo_ex, memo_axi
 
 
 @numba.njit(cache=True)
-def _simulate(n_ranks, n_axes, p2p_s, act_off, act_stage, act_variant, act_dep, act_cross, act_slot, n_slots,
+def _simulate(n_ranks, n_axes, p2p_s, late, act_off, act_stage, act_variant, act_dep, act_cross, act_slot, n_slots,
               plan_lists, list_off, stage_rank, p_work, p_count, w_compute, w_comm, c_stream, c_sec, c_axis):  # noqa: ANN001, ANN202
     st = np.zeros((n_ranks, _COLUMNS))
     ex = np.zeros((n_ranks, n_axes))
@@ -225,7 +225,7 @@ def _simulate(n_ranks, n_axes, p2p_s, act_off, act_stage, act_variant, act_dep, 
                 ready = st[r, _CF]
                 if dep >= 0:
                     cross = act_cross[a]
-                    arrive = done_t[dep] + (p2p_s if cross else 0.0)
+                    arrive = (max(done_t[dep], st[r, _CF]) if late else done_t[dep]) + p2p_s if cross else done_t[dep]
                     if arrive > st[r, _CF]:
                         wait = arrive - st[r, _CF]
                         part = min(wait, p2p_s) if cross else 0.0
@@ -430,7 +430,10 @@ def _run_encoded(plan_lists: np.ndarray, list_off: np.ndarray, p_work: np.ndarra
     off, stage, variant, dep, cross, done, n_slots = encode_actions(schedule, pp, microbatches, interleave)
     n_ranks = len(off) - 1
     ranks = np.asarray(stage_rank, dtype=np.int64)
-    st, ex, ra, ok = _simulate(n_ranks, len(axes), float(p2p_s), off, stage, variant, dep, cross, done,
+    # PyTorch's single-stage schedules post a receive when the rank reaches the action
+    # (engine.simulate_pipeline's late_receives)
+    late = pp > 1 and not schedule.multi_stage
+    st, ex, ra, ok = _simulate(n_ranks, len(axes), float(p2p_s), late, off, stage, variant, dep, cross, done,
                                int(n_slots[0]), plan_lists, list_off, ranks, p_work, p_count, w_compute, w_comm,
                                c_stream, c_sec, c_axis)
     if not ok:

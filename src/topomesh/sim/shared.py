@@ -76,13 +76,14 @@ class _BusyClock:
 
 
 def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Action]], stage_rank: Sequence[int],
-                    p2p_s: float, cluster: Cluster, *, ranks_per_stage: int, record: bool = False) -> EngineResult:
+                    p2p_s: float, cluster: Cluster, *, ranks_per_stage: int, record: bool = False,
+                    late_receives: bool = False) -> EngineResult:
     """The engine's run with each action stretched by the ranks busy while it runs (see the
     module docstring). ``plans`` are priced lock-step, as :class:`~topomesh.sim.price.Pricer`
     prices them on ``cluster``."""
     full_compute, full_comm = cluster.compute_share, cluster.core_share
     scale: dict[ActionKey, tuple[float, float]] = {}
-    run = simulate_pipeline(plans, actions, stage_rank, p2p_s)
+    run = simulate_pipeline(plans, actions, stage_rank, p2p_s, late_receives=late_receives)
     for _ in range(ROUNDS):
         moved = 0.0
         for key, k in busy_ranks([st.busy for st in run.ranks], ranks_per_stage).items():
@@ -92,9 +93,10 @@ def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Actio
             step_comm = DAMPING * (share / full_comm - comm)
             scale[key] = (compute + step_compute, comm + step_comm)
             moved = max(moved, abs(step_compute), abs(step_comm))
-        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale)
+        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, late_receives=late_receives)
         if moved < SETTLED:
             break
     if record:
-        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, record=True)
+        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, record=True,
+                                late_receives=late_receives)
     return run
