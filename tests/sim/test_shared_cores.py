@@ -146,7 +146,10 @@ def test_fsdp2_collectives_pay_its_host_work(model, degrees, reductions, gathers
     ("dtensor_dispatch_s", None, "measure_dtensor_dispatch_s", 1e-6, 1e-3),  # an op's Python dispatch: microseconds
     ("dtensor_collective_s", None, "measure_dtensor_collective_s", 5e-6, 5e-3),  # a redistribution's host work
     ("fsdp_host_s", 0, "measure_fsdp_host_s", 2e-5, 2e-2),  # a unit's hooks and reduction: ~0.1-1 ms
-    ("fsdp_host_s", 1, "measure_fsdp_host_s", 2e-6, 5e-3),  # an all-gather's bookkeeping
+    # an all-gather's bookkeeping, what the sharded run costs beyond its reductions: the
+    # difference of two medians, clamped at 0 (">= 0"), and 0.0 on a quiet run of this VM at
+    # two threads (it failed the old lower bound of 2e-6 once)
+    ("fsdp_host_s", 1, "measure_fsdp_host_s", 0.0, 5e-3),
 ])
 def test_dtensor_host_costs_measured_once_and_cached(tmp_path, monkeypatch, name, index, measure, low, high):
     import torch
@@ -159,7 +162,7 @@ def test_dtensor_host_costs_measured_once_and_cached(tmp_path, monkeypatch, name
     try:
         got = getattr(dispatch, name)(directory=tmp_path)
         first = got if index is None else got[index]
-        assert low < first < high  # never free, far from a step
+        assert low <= first < high  # never free (but the clamped gather), far from a step
         monkeypatch.setattr(dispatch, measure, lambda **_: pytest.fail("not cached"))
         assert getattr(dispatch, name)(directory=tmp_path) == got
     finally:
