@@ -21,7 +21,6 @@ means, whether the predicted fastest layout is the measured fastest).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -257,47 +256,39 @@ def _run_child(what: str, spec: dict[str, Any], argv: Callable[[Path], list[str]
 
 def layout_result(spec_text: str, prediction: Any, record: dict[str, Any]) -> LayoutResult:
     """One :class:`LayoutResult` from a prediction (StepResult) and a worker record: the
-    median of the timed steps, the largest rank's peak."""
-    steps = tuple(float(s) for s in record["step_s"])
-    if not steps:
-        raise ValidateError(f"the real run of layout {spec_text} timed no steps.")
-    load = tuple(x[0] for x in (record.get("loadavg_before"), record.get("loadavg_after")) if x)
-    b = prediction.breakdown
-    return LayoutResult(
-        layout=spec_text, predicted_s=prediction.step_time_s, measured_s=statistics.median(steps),
-        predicted_peak_bytes=int(prediction.peak_memory_bytes), measured_peak_bytes=max(record["peak_bytes"]),
-        measured_cpu_s=statistics.median(record.get("cpu_s") or [0.0]),
-        page_faults=int(statistics.median(record.get("page_faults") or [0])), steps_s=steps, world_size=int(record["world_size"]), microbatches=int(record["microbatches"]),
-        loadavg=load,
-        breakdown={"compute_s": b.compute_s, "exposed_comm_s": dict(b.exposed_comm_s), "bubble_s": b.bubble_s,
-                   "optimizer_s": b.optimizer_s, "p2p_s": b.p2p_s},
-        runs_s=(statistics.median(steps),), predicted_runs_s=(prediction.step_time_s,),
-    )
+    median of the timed steps, the largest rank's peak (:func:`pooled_result` of one run)."""
+    return pooled_result(spec_text, [(prediction, record)])
 
 
 def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) -> LayoutResult:
-    """One layout's :class:`LayoutResult` over several real runs (``--repeats``), each
+    """One layout's :class:`LayoutResult` over one or several real runs (``--repeats``), each
     ``(prediction, worker record)`` with the prediction made just before its run.
 
     Measured: the median of every timed step of every run (and so for CPU time and page
-    faults); the peak (the largest rank's) of the middle run by peak. Predicted: the median prediction
-    (the lower middle one for an even count), with its breakdown. A slow spell of the machine
-    then moves one run's steps among several, not the whole measurement. The load average
-    is kept from before and after every run.
+    faults); the peak (the largest rank's) of the middle run by peak. Predicted: the median
+    prediction (the lower middle one for an even count), with its breakdown. A slow spell of
+    the machine then moves one run's steps among several, not the whole measurement. The
+    load average is kept from before and after every run.
     """
     if not passes:
         raise ValidateError(f"layout {spec_text} has no real run to report.")
     records = [rec for _, rec in passes]
     if any(not r["step_s"] for r in records):
         raise ValidateError(f"a real run of layout {spec_text} timed no steps.")
-    merged = {**records[0],
-              "step_s": [s for r in records for s in r["step_s"]],
-              "cpu_s": [s for r in records for s in r.get("cpu_s") or ()],
-              "page_faults": [s for r in records for s in r.get("page_faults") or ()],
-              "peak_bytes": [statistics.median_low(max(r["peak_bytes"]) for r in records)]}
+    steps = tuple(float(s) for r in records for s in r["step_s"])
     order = sorted(range(len(passes)), key=lambda i: passes[i][0].step_time_s)
-    middle = passes[order[(len(order) - 1) // 2]][0]
-    pooled = layout_result(spec_text, middle, merged)
-    load = tuple(x[0] for r in records for x in (r.get("loadavg_before"), r.get("loadavg_after")) if x)
-    return dataclasses.replace(pooled, runs_s=tuple(statistics.median(r["step_s"]) for r in records),
-                               predicted_runs_s=tuple(p.step_time_s for p, _ in passes), loadavg=load)
+    prediction = passes[order[(len(order) - 1) // 2]][0]
+    b = prediction.breakdown
+    return LayoutResult(
+        layout=spec_text, predicted_s=prediction.step_time_s, measured_s=statistics.median(steps),
+        predicted_peak_bytes=int(prediction.peak_memory_bytes),
+        measured_peak_bytes=statistics.median_low(max(r["peak_bytes"]) for r in records),
+        measured_cpu_s=statistics.median([s for r in records for s in r.get("cpu_s") or ()] or [0.0]),
+        page_faults=int(statistics.median([s for r in records for s in r.get("page_faults") or ()] or [0])),
+        steps_s=steps, world_size=int(records[0]["world_size"]), microbatches=int(records[0]["microbatches"]),
+        loadavg=tuple(x[0] for r in records for x in (r.get("loadavg_before"), r.get("loadavg_after")) if x),
+        breakdown={"compute_s": b.compute_s, "exposed_comm_s": dict(b.exposed_comm_s), "bubble_s": b.bubble_s,
+                   "optimizer_s": b.optimizer_s, "p2p_s": b.p2p_s},
+        runs_s=tuple(statistics.median(r["step_s"]) for r in records),
+        predicted_runs_s=tuple(p.step_time_s for p, _ in passes),
+    )
