@@ -294,7 +294,7 @@ def simulate_pipeline(
             return pieces
         hit = scaled.get((id(pieces), *f))
         if hit is None:
-            hit = scaled[(id(pieces), *f)] = tuple(_scaled_piece(p, *f) for p in pieces)
+            hit = scaled[(id(pieces), *f)] = tuple(dataclasses.replace(p, work=p.work.scaled(*f)) for p in pieces)
         return hit
 
     firsts, lasts = first_and_last(actions)
@@ -354,17 +354,6 @@ def simulate_pipeline(
     end = [s.compute_free for s in ranks]
     crit = max(range(len(ranks)), key=end.__getitem__)
     return EngineResult(step_time_s=end[crit], critical_rank=crit, ranks=tuple(ranks))
-
-
-def _scaled_piece(p: Piece, compute: float, comm: float) -> Piece:
-    w = p.work
-
-    def each(comms: tuple[Comm, ...]) -> tuple[Comm, ...]:
-        return tuple(dataclasses.replace(c, seconds=c.seconds * comm) for c in comms)
-
-    return dataclasses.replace(p, work=dataclasses.replace(
-        w, compute_s=w.compute_s * compute, weight_grad_s=w.weight_grad_s * compute,
-        blocking=each(w.blocking), gather=each(w.gather), reduce=each(w.reduce)))
 
 
 def first_and_last(actions: Sequence[Sequence[Action]]) -> tuple[dict[int, int], dict[tuple[int, Kind], int]]:

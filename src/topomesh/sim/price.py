@@ -97,6 +97,15 @@ class Work:
     def empty(self) -> bool:
         return not (self.compute_s or self.blocking or self.gather or self.reduce)
 
+    def scaled(self, compute: float, comm: float) -> Work:
+        """This work with its compute (and weight-gradient) seconds times ``compute`` and
+        every collective's seconds times ``comm``."""
+        def each(comms: tuple[Comm, ...]) -> tuple[Comm, ...]:
+            return tuple(dataclasses.replace(c, seconds=c.seconds * comm) for c in comms)
+
+        return dataclasses.replace(self, compute_s=self.compute_s * compute, weight_grad_s=self.weight_grad_s * compute,
+                                   blocking=each(self.blocking), gather=each(self.gather), reduce=each(self.reduce))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PricedClass:
@@ -489,5 +498,4 @@ def digest_class(trace: Trace, pricer: Pricer) -> ClassDigest:
 def _scaled(work: Work, k: float) -> Work:
     """The optimizer work of the parameters outside the blocks, shared between the first and
     the last stage by their state bytes."""
-    return Work(compute_s=work.compute_s * k, blocking=tuple(dataclasses.replace(c, seconds=c.seconds * k) for c in work.blocking),
-                flops=int(work.flops * k))
+    return dataclasses.replace(work.scaled(k, k), flops=int(work.flops * k))
