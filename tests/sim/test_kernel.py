@@ -152,3 +152,16 @@ def test_a_template_scales_each_records_price_by_its_factor():
     assert run.step_time_s == pytest.approx(4.5)
     assert run.ranks[0].exposed == pytest.approx({"tp": 1.0, "dp_shard": 0.5})
     assert run.ranks[0].stream_free[Stream.NET] == pytest.approx(4.5)  # the dp record ran on the net stream
+
+
+def test_the_end_stages_share_the_optimizer_work_outside_the_blocks():
+    """The embedding's and head's optimizer work (compute 2 s, a 4 s all-reduce, 10 FLOPs) goes
+    to the first and the last stage by their state bytes: a quarter to one of them is 0.5 s of
+    compute, a 1 s all-reduce and 2 FLOPs; three quarters to the other 1.5 s, 3 s and 7 FLOPs."""
+    from topomesh.sim.price import _scaled
+
+    rest = Work(compute_s=2.0, blocking=(Comm("dp_shard", Stream.NET, 4.0),), flops=10)
+    quarter, rest_of_it = _scaled(rest, 0.25), _scaled(rest, 0.75)
+    assert (quarter.compute_s, quarter.blocking[0].seconds, quarter.flops) == pytest.approx((0.5, 1.0, 2))
+    assert (rest_of_it.compute_s, rest_of_it.blocking[0].seconds, rest_of_it.flops) == pytest.approx((1.5, 3.0, 7))
+    assert quarter.blocking[0].axis == "dp_shard"
