@@ -82,7 +82,7 @@ def test_equals_the_python_engine(schedule: Schedule, pp: int, interleave: int):
     stage_rank = owners(schedule, pp, interleave)
     plans = [plan] * len(stage_rank)
     want = simulate_pipeline(plans, action_order(schedule, pp=pp, microbatches=m, interleave=interleave),
-                             stage_rank, 0.3, late_receives=pp > 1 and not schedule.multi_stage)
+                             stage_rank, 0.3, late_receives=schedule.receives_at_action)
     got = kernel.run(plans, schedule, pp, m, interleave, stage_rank, 0.3)
     assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert got.critical_rank == want.critical_rank

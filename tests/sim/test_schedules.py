@@ -57,3 +57,12 @@ def test_torch_refusals_become_layout_errors():
         action_order("1f1b", pp=4, microbatches=2)
     with pytest.raises(LayoutError, match="needs --interleave 2"):
         action_order("interleaved-1f1b", pp=2, microbatches=4, interleave=1)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_receives_are_posted_at_the_action_only_by_torchs_single_stage_schedules(schedule):
+    """GPipe and 1F1B (PipelineScheduleSingle) batch a receive with the action's wait; the
+    runtime schedules (_PipelineScheduleRuntime) post it where the sender's action is lowered."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    assert schedule.receives_at_action == issubclass(get_schedule_class(schedule.torch_name), PipelineScheduleSingle)

@@ -430,10 +430,7 @@ def _run_encoded(plan_lists: np.ndarray, list_off: np.ndarray, p_work: np.ndarra
     off, stage, variant, dep, cross, done, n_slots = encode_actions(schedule, pp, microbatches, interleave)
     n_ranks = len(off) - 1
     ranks = np.asarray(stage_rank, dtype=np.int64)
-    # PyTorch's single-stage schedules post a receive when the rank reaches the action
-    # (engine.simulate_pipeline's late_receives)
-    late = pp > 1 and not schedule.multi_stage
-    st, ex, ra, ok = _simulate(n_ranks, len(axes), float(p2p_s), late, off, stage, variant, dep, cross, done,
+    st, ex, ra, ok = _simulate(n_ranks, len(axes), float(p2p_s), schedule.receives_at_action, off, stage, variant, dep, cross, done,
                                int(n_slots[0]), plan_lists, list_off, ranks, p_work, p_count, w_compute, w_comm,
                                c_stream, c_sec, c_axis)
     if not ok:

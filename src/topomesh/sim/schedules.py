@@ -45,6 +45,15 @@ class Schedule(StrEnum):
         return self not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
     @property
+    def receives_at_action(self) -> bool:
+        """Whether PyTorch posts a stage's receive only when the rank reaches the action (GPipe's
+        and 1F1B's ``_step_microbatches`` batch it with the action's wait), rather than ahead
+        (the multi-stage runtime's ``_add_send_recv`` places each RECV where the sender's
+        action is lowered). Send/recv are rendezvous, so a late receive still waits one transfer
+        (:func:`topomesh.sim.engine.simulate_pipeline`'s ``late_receives``)."""
+        return not self.multi_stage
+
+    @property
     def v_shape(self) -> bool:
         """Two stages per rank placed in a V (rank r holds stages r and 2p-1-r)."""
         return self in (Schedule.ZBV, Schedule.DUALPIPEV)

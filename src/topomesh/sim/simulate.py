@@ -362,7 +362,6 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             p2p_s *= cluster.core_share
     # a pipeline on shared cores: its ranks are not all busy at once (topomesh.sim.shared)
     shared = pp > 1 and cluster.cores is not None
-    late = pp > 1 and not schedule.multi_stage  # receives posted at the action (GPipe, 1F1B)
     if record or shared:  # the Python engine, on plans priced on this layout's links
         signature = (id(digest), tuple(link_of(a) for a in digest.axes))
         priced = memo.priced.get(signature)
@@ -376,9 +375,10 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             from topomesh.sim.shared import shared_pipeline
 
             run = shared_pipeline(plans, actions, stage_rank, p2p_s, cluster, ranks_per_stage=layout.world_size // pp,
-                                  record=record, late_receives=late)
+                                  record=record, late_receives=schedule.receives_at_action)
         else:
-            run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True, late_receives=late)
+            run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True,
+                                    late_receives=schedule.receives_at_action)
     else:
         pricer = Pricer(cluster, link_of, table or {}, memo.ops)
         secs, streams = [], []
