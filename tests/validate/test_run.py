@@ -16,7 +16,13 @@ from topomesh.errors import LayoutError
 from topomesh.models.presets import get_preset
 from topomesh.models.transformer import Transformer
 from topomesh.validate.run import LayoutResult, ValidateError, compare, layout_result
-from topomesh.validate.worker import StageModel, peak_in_window
+from topomesh.validate.worker import (
+    StageModel,
+    allocation_records,
+    close_collective_blocks,
+    collective_deadline,
+    peak_in_window,
+)
 
 
 def _r(name: str, pred: float, meas: float, pmem: int = 100, mmem: int = 100) -> LayoutResult:
@@ -85,12 +91,70 @@ def test_peak_in_window_drops_a_block_freed_where_the_profiler_did_not_look():
     assert peak_in_window([(t, b, None) for t, b, _ in recs], 4, 10) == 210
 
 
+def test_collective_deadline_is_the_wait_that_ends_the_collective():
+    waits = [7, 12, 20]  # ends of the thread's wait_tensor events
+    # a functional collective ending at 9 is waited for by the wait ending at 12, not 7
+    fn = [("aten::empty", 5), ("_c10d_functional::all_gather_into_tensor", 9), ("Redistribute", 30)]
+    assert collective_deadline(fn, waits) == 12
+    # gloo's copy inside the c10d call a functional reduce-scatter makes: still the wait
+    rs = [("aten::clone", 4), ("c10d::reduce_scatter_tensor_coalesced_", 8),
+          ("_c10d_functional::reduce_scatter_tensor", 13)]
+    assert collective_deadline(rs, waits) == 20
+    # a plain c10d call (FSDP2's reduce-scatter, async_op=False) is over when it returns
+    assert collective_deadline([("aten::clone", 5), ("c10d::_reduce_scatter_base_", 8),
+                                ("FSDP::post_backward_reduce", 30)], waits) == 8
+    # nothing waited for after the call, or no collective at all: no deadline
+    assert collective_deadline(fn, [7]) is None
+    assert collective_deadline([("aten::mm", 5), ("aten::linear", 6)], waits) is None
+
+
+def test_close_collective_blocks_frees_what_gloo_freed_unseen():
+    # a 64 B block at 0xA allocated at 1 by a collective done at 5; 32 B at 0xB elsewhere
+    recs = [(1, 64, 0xA), (2, 32, 0xB), (9, 16, 0xA)]
+    closed = close_collective_blocks(recs, {0: 5})
+    assert closed == [(1, 64, 0xA), (2, 32, 0xB), (5, -64, 0xA), (9, 16, 0xA)]
+    # the window 6..10 sees 32 live, then +16: 48 (the address rule alone would also drop the
+    # 64 B at 9, but counts it live at 6..9: 96)
+    assert peak_in_window(closed, 6, 10) == 48
+    assert peak_in_window(recs, 6, 10) == 96
+    # freed where the profiler looks, after the deadline: nothing added (no double free)
+    assert close_collective_blocks([(1, 64, 0xA), (8, -64, 0xA)], {0: 5}) == [(1, 64, 0xA), (8, -64, 0xA)]
+    # its address handed out again before the deadline: the address rule already dropped it
+    assert close_collective_blocks([(1, 64, 0xA), (3, 8, 0xA)], {0: 5}) == [(1, 64, 0xA), (3, 8, 0xA)]
+    # never seen again: freed at the deadline
+    assert close_collective_blocks([(1, 64, 0xA)], {0: 5}) == [(1, 64, 0xA), (5, -64, 0xA)]
+
+
+def test_allocation_records_free_a_collectives_block_at_its_wait():
+    """The profiler's event tree, faked: a functional all-gather (10..20) on thread 1 allocates
+    100 B at 0xA that gloo frees on its own thread (no record); thread 1 waits 25..40, then
+    allocates 50 B. The block is free once the wait ends, so the step's peak is 100, not 150."""
+    from types import SimpleNamespace as NS
+
+    from torch._C._profiler import _EventType
+
+    def ev(name, start, end, children=(), tag=None, fields=None):
+        e = NS(name=name, start_time_ns=start, end_time_ns=end, children=list(children), tag=tag,
+               extra_fields=fields, start_tid=1, parent=None)
+        for c in e.children:
+            c.parent = e
+        return e
+
+    alloc = ev("[memory]", 12, 12, tag=_EventType.Allocation, fields=NS(alloc_size=100, ptr=0xA))
+    later = ev("[memory]", 45, 45, tag=_EventType.Allocation, fields=NS(alloc_size=50, ptr=0xB))
+    gather = ev("_c10d_functional::all_gather_into_tensor", 10, 20, [ev("aten::empty", 11, 13, [alloc])])
+    step = ev("topomesh_validate_step", 5, 100, [gather, ev("_c10d_functional::wait_tensor", 25, 40), later])
+    prof = NS(profiler=NS(kineto_results=NS(experimental_event_tree=lambda: [step])))
+    records, windows = allocation_records(prof)
+    assert windows == [(5, 100)]
+    assert sorted(records) == [(12, 100, 0xA), (40, -100, 0xA), (45, 50, 0xB)]
+    assert peak_in_window(records, *windows[0]) == 100
+
+
 def test_allocation_records_see_the_profilers_addresses():
     import threading
 
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    from topomesh.validate.worker import allocation_records
 
     box = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -22,8 +22,10 @@ Measurement: ``torch.set_num_threads(threads)`` in every process (and one inter-
 ``warmup`` steps discarded, the first of them a full first step (lazy init, optimizer
 state) and the last recorded by the profiler with ``profile_memory=True``: the peak of
 PyTorch's own allocation records inside that step (:func:`peak_in_window`), counted from
-the start of the process so parameters and optimizer state are in it, with the blocks other
-threads freed unseen dropped when their address is reused (:func:`allocation_records`). Then ``steps`` timed
+the start of the process so parameters and optimizer state are in it. gloo frees what a
+collective allocated on its own thread, where the profiler records nothing: such a block is
+freed when the issuing thread has waited for its collective (:func:`collective_deadline`), any
+other block freed unseen when its address is handed out again (:func:`peak_in_window`). Then ``steps`` timed
 steps, each started after a barrier and timed on every rank; a step's time is the slowest
 rank's (all-reduce MAX), wall clock, and so is its CPU time (``time.process_time``: every
 thread of the process, gloo's included) — on a machine others load, the CPU time shows
@@ -88,12 +90,81 @@ def peak_in_window(records: Iterable[tuple[int, int, int | None]], start_ns: int
     return peak if opened else live
 
 
+WAIT = "_c10d_functional::wait_tensor"
+"""The profiler's name for a thread waiting on a functional collective (DTensor's, TP's)."""
+
+
+def collective_deadline(ancestors: Iterable[tuple[str, int]], waits: list[int]) -> int | None:
+    """When a block allocated inside a collective is freed at the latest, or None when it was
+    not allocated inside one.
+
+    ``ancestors`` are the (name, end ns) of the allocation's enclosing profiler events,
+    innermost first; ``waits`` the sorted end times of the allocating thread's
+    :data:`WAIT` events. gloo keeps what a collective allocates (reduce-scatter's copy of its
+    input, a functional all-gather's output) in its work object, released on gloo's thread
+    once the collective is done: a free the profiler does not record. The issuing thread
+    learns it is done at its next wait — for a functional collective
+    (``_c10d_functional::*``), the first ``wait_tensor`` after the call; for a plain c10d call
+    (``c10d::*``: FSDP2's reduce-scatter, DDP's buckets), at its end, since ``torch.distributed``
+    waits before returning (``async_op=False``, what FSDP2 and the pipeline's blocking calls
+    use on CPU).
+
+    >>> collective_deadline([("aten::empty", 5), ("_c10d_functional::all_gather_into_tensor", 9)], [7, 12, 20])
+    12
+    >>> collective_deadline([("aten::clone", 5), ("c10d::_reduce_scatter_base_", 8), ("FSDP::post_backward_reduce", 30)], [])
+    8
+    >>> collective_deadline([("aten::mm", 5), ("aten::linear", 6)], [7]) is None
+    True
+    """
+    import bisect
+
+    plain = None
+    for name, end in ancestors:
+        if name.startswith("_c10d_functional::") and name != WAIT:
+            k = bisect.bisect_right(waits, end)
+            return waits[k] if k < len(waits) else None
+        if plain is None and name.startswith("c10d::"):
+            plain = end
+    return plain
+
+
+def close_collective_blocks(records: list[tuple[int, int, int]], deadlines: dict[int, int]
+                            ) -> list[tuple[int, int, int]]:
+    """``records`` (time ns, bytes, address; frees negative) with a free added at its deadline
+    for every block ``deadlines`` names (record index -> ns, :func:`collective_deadline`) whose
+    free the records lack: its address is handed out again after the deadline, or never.
+
+    >>> close_collective_blocks([(1, 64, 7), (2, 32, 8), (9, 16, 7)], {0: 5})
+    [(1, 64, 7), (2, 32, 8), (5, -64, 7), (9, 16, 7)]
+    >>> close_collective_blocks([(1, 64, 7), (8, -64, 7)], {0: 5})  # freed where the profiler looks
+    [(1, 64, 7), (8, -64, 7)]
+    """
+    order = sorted(range(len(records)), key=lambda i: records[i][0])
+    following: dict[int, tuple[int, int]] = {}  # record index -> (time, bytes) of the next record at its address
+    last: dict[int, tuple[int, int]] = {}
+    for i in reversed(order):
+        t, nbytes, address = records[i]
+        if address in last:
+            following[i] = last[address]
+        last[address] = (t, nbytes)
+    added = []
+    for i, deadline in deadlines.items():
+        nbytes, nxt = records[i][1], following.get(i)
+        if nbytes > 0 and (nxt is None or (nxt[1] > 0 and nxt[0] > deadline)):
+            added.append((deadline, -nbytes, records[i][2]))
+    return sorted(records + added, key=lambda r: r[0])
+
+
 def allocation_records(prof: Any) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
     """(time ns, bytes, address) of every allocation and free ``prof`` recorded, and the
-    (start, end) ns of each ``topomesh_validate_step`` range, from the profiler's event tree."""
+    (start, end) ns of each ``topomesh_validate_step`` range, from the profiler's event tree.
+    A block allocated inside a collective gets a free at its :func:`collective_deadline`
+    when the records show none before it (:func:`close_collective_blocks`)."""
     from torch._C._profiler import _EventType
 
     allocations: list[tuple[int, int, int]] = []
+    inside: dict[int, tuple[int, list[tuple[str, int]]]] = {}  # record index -> (thread, ancestors)
+    waits: dict[int, list[int]] = {}
     windows: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -101,10 +172,23 @@ def allocation_records(prof: Any) -> tuple[list[tuple[int, int, int]], list[tupl
         stack.extend(e.children)
         if e.tag == _EventType.Allocation:
             f = e.extra_fields
+            if int(f.alloc_size) > 0:
+                ancestors, p = [], e.parent
+                while p is not None:
+                    ancestors.append((p.name, p.end_time_ns))
+                    p = p.parent
+                if any(n.startswith(("c10d::", "_c10d_functional::")) for n, _ in ancestors):
+                    inside[len(allocations)] = (e.start_tid, ancestors)
             allocations.append((e.start_time_ns, int(f.alloc_size), int(f.ptr)))
+        elif e.name == WAIT:
+            waits.setdefault(e.start_tid, []).append(e.end_time_ns)
         elif e.name == "topomesh_validate_step":
             windows.append((e.start_time_ns, e.end_time_ns))
-    return allocations, sorted(windows)
+    for ends in waits.values():
+        ends.sort()
+    deadlines = {i: d for i, (tid, ancestors) in inside.items()
+                 if (d := collective_deadline(ancestors, waits.get(tid, []))) is not None}
+    return close_collective_blocks(allocations, deadlines), sorted(windows)
 
 
 def collective_calls(prof: Any, start_ns: int, end_ns: int) -> dict[str, int]:
