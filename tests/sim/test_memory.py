@@ -11,6 +11,8 @@ Full recompute keeps the block input only: 2·s·b·h.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -85,3 +87,44 @@ def test_one_f_one_b_activations_peak_at_p_minus_r_micro_batches():
     actions = action_order("1f1b", pp=4, microbatches=8)
     got = [_memory(p, plans, layers, actions[r], r, [0, 1, 2, 3]).activations_bytes for r in range(4)]
     assert got == [800, 600, 400, 200]
+
+
+def test_one_pass_follows_what_is_live_piece_by_piece():
+    """A one-stage FSDP rank, 2 blocks; hand numbers. Forward saves 10 (embedding), 100 a
+    block, 50 (head); the root unit gathers 40 for the embedding's forward and again for the
+    head's backward (reduced, 80, with the embedding's backward); a block gathers 20 and
+    reduces 30; largest outputs 5 (forward), 7 (head backward), 6 (block backward), 3
+    (embedding backward).
+
+    Forward: embedding 10 + 2 x 40 + 5 = 95; block 1: 110 + 2 x 20 + 5 = 155; block 2: 255;
+    head: 260 + 0 + 5 = 265. Backward: head starts at 260 + 2 x 40 + 7 = 347 (its own 50
+    gone: 210 + 40 + 7 = 257 at its end), the root's 40 then held; block 2 starts at
+    210 + 40 + 2 x 20 + 6 = 296, ends at 110 + 40 + 20 + 2 x 30 + 6 = 236; block 1 196 and
+    136; embedding 10 + 40 + 3 = 53 and 0 + 40 + 2 x 80 + 3 = 203. The most: 347, where adding
+    the largest activations (260) to the largest transient (2 x 20 + 2 x 30 + 6 = 106 for a
+    block, 2 x 80 + 3 = 163 for the embedding) would say 423."""
+    from topomesh.sim.engine import Piece, StagePlan
+    from topomesh.sim.price import PricedClass, Work
+    from topomesh.sim.simulate import _one_pass_bytes
+    from topomesh.trace.result import StateBytes
+
+    fwd_pre = Work(saved_bytes=10, gather_bytes=40, peak_output_bytes=5)
+    fwd_block = Work(saved_bytes=100, gather_bytes=20, peak_output_bytes=5)
+    fwd_post = Work(saved_bytes=50, peak_output_bytes=5)
+    bwd_post = Work(gather_bytes=40, peak_output_bytes=7)
+    bwd_block = Work(gather_bytes=20, reduce_bytes=30, peak_output_bytes=6)
+    bwd_pre = Work(reduce_bytes=80, peak_output_bytes=3)
+    empty, state = Work(), StateBytes()
+    p = PricedClass(fwd_pre=fwd_pre, fwd_block=fwd_block, fwd_post=fwd_post, bwd_post=bwd_post, bwd_block=bwd_block,
+                    bwd_pre=bwd_pre, opt_block=empty, opt_first=empty, opt_last=empty, block_state=state,
+                    first_state=state, last_state=state, boundary_bytes=0)
+    def pieces(*items: tuple[Work, int, str]) -> tuple[Piece, ...]:
+        return tuple(Piece(work=w, count=n, label=label) for w, n, label in items)
+
+    plan = StagePlan(forward=pieces((fwd_pre, 1, "embed fwd"), (fwd_block, 2, "block fwd"), (fwd_post, 1, "head fwd")),
+                     backward=pieces((bwd_post, 1, "head bwd"), (bwd_block, 2, "block bwd"), (bwd_pre, 1, "embed bwd")),
+                     backward_input=(), backward_weight=(), optimizer=())
+    assert _one_pass_bytes(p, plan) == 347
+    # a large reduction at the end now sets the peak: embedding's 80 -> 200 ends at 40 + 400 + 3
+    bigger = dataclasses.replace(plan, backward=(*plan.backward[:2], *pieces((dataclasses.replace(bwd_pre, reduce_bytes=200), 1, "embed bwd"))))
+    assert _one_pass_bytes(p, bigger) == 443

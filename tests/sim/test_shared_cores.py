@@ -171,20 +171,29 @@ def test_dtensor_host_costs_measured_once_and_cached(tmp_path, monkeypatch, name
 
 def test_fsdp_backward_holds_the_gradient_reduction_buffers(model):
     """tiny-llama block (hidden 64, 8 heads of 8, 4 KV heads, FFN 160): wq, wo 64x64, wk, wv
-    64x32, three FFN matrices 64x160, two norms of 64 = 43,136 parameters. Under FSDP2 mixed
-    precision on 2 ranks a block's backward holds the prefetched block's bf16 parameters and
-    its own unsharded bf16 gradients (2 x 86,272 B) and the float32 reduce-scatter inputs of
-    this block and the one before (2 x 172,544 B), besides the largest op output."""
-    from topomesh.trace.graph import Phase
+    64x32, three FFN matrices 64x160, two norms of 64 = 43,136 parameters; the root unit
+    (embedding and head 256x64, final norm 64) 32,832. Under FSDP2 mixed precision on 2 ranks,
+    one micro-batch, the most is held when the second block's backward reduces: the first
+    block's activations (not yet consumed; the second's are), the root's bf16 parameters
+    (gathered again for the head's backward, kept until the embedding's), the prefetched first
+    block's bf16 parameters, the float32 reduce-scatter inputs of this block and the one
+    before (FSDP2 keeps it until this one is issued), and the largest op output. The
+    transient is that beyond the activations at their fullest (all of them, when the backward
+    starts)."""
+    from topomesh.trace.result import Part, Phase
 
     params = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64
+    root = 2 * 256 * 64 + 64
     assert params == 43_136
     sim = Simulator(model=model, cluster=load_cluster("dgx-h100", gpus=2))
     layout, training = Layout(dp_shard=2), Training(global_batch=2)
     r = sim.simulate(layout, training)
     trace = sim.trace(layout, training)
     peak_out = max(s.peak_output_bytes for s in trace.segments if s.phase in (Phase.FORWARD, Phase.BACKWARD))
-    assert r.memory[0].transient_bytes == 2 * params * 2 + 2 * params * 4 + peak_out
+    (block_saved,) = {s.saved_bytes for s in trace.segments if s.part is Part.BLOCK and s.phase is Phase.FORWARD}
+    m = r.memory[0]
+    held = block_saved + root * 2 + params * 2 + 2 * params * 4 + peak_out
+    assert m.in_flight == 1 and m.transient_bytes == held - m.activations_bytes
 
 
 def test_fsdp_host_work_splits_into_per_unit_and_per_gather(monkeypatch):

@@ -502,6 +502,7 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
         peak_out = max([peak_out, *(w.peak_output_bytes for w in works)])
     live: dict[tuple[int, int], int] = {}
     act_peak = most = total = 0
+    one_stage = len(layers) == 1 and plans[0].forward_later is None
     for a in actions:
         if a.kind is Kind.F:
             total += saved.get(a.stage, 0) - live.get((a.stage, a.mb), 0)
@@ -510,10 +511,50 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             most = max(most, len(live))
         elif a.kind is Kind.B or a.kind is Kind.I:
             total -= live.pop((a.stage, a.mb), 0)
+    transient = gathered + peak_out
+    if one_stage and most == 1:  # one micro-batch at a time: what is live when, piece by piece
+        transient = max(0, _one_pass_bytes(p, plans[0]) - act_peak)
     # the sharded gradients appear only when those reductions run (set_to_none between steps)
     return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=max(state.grads, accumulated),
                        optimizer_bytes=state.optimizer,
-                       activations_bytes=act_peak, in_flight=most, transient_bytes=gathered + peak_out)
+                       activations_bytes=act_peak, in_flight=most, transient_bytes=transient)
+
+
+def _one_pass_bytes(p: PricedClass, plan: StagePlan) -> int:
+    """Most bytes beyond the model state that one micro-batch's forward and backward hold at
+    once on a rank without a pipeline, following the pieces in order instead of adding the
+    largest activations to the largest transient of any piece (they are not live together:
+    the activations are fullest when the backward starts, a unit's gradient reduction runs
+    when its own activations are gone).
+
+    Forward piece: the activations saved so far with its own, its gathered parameters and the
+    prefetched next unit's (FSDP), its largest output. Backward piece, when it starts: the
+    activations not yet consumed with its own, its gathered parameters and the prefetched
+    ones, its largest output; when it ends (FSDP2 reshards, then reduces): the activations
+    without its own, the prefetched parameters, its reduction's input and as much again (the
+    previous unit's input FSDP2 keeps until this one is issued; on gloo, the reduce-scatter's
+    copy of its input), its largest output. The root unit (embedding and head, gathered
+    again for the head's backward and reduced after the embedding's) stays gathered from the
+    head's backward to the end."""
+    forward_saved = {"embed": p.fwd_pre.saved_bytes, "block": p.fwd_block.saved_bytes, "head": p.fwd_post.saved_bytes}
+    most = saved = 0
+    for pc in plan.forward:
+        w = pc.work
+        for _ in range(pc.count):
+            saved += w.saved_bytes
+            most = max(most, saved + 2 * w.gather_bytes + w.peak_output_bytes)
+    held = 0
+    for pc in plan.backward:
+        w = pc.work
+        own = forward_saved.get(pc.label.split()[0], 0)
+        for _ in range(pc.count):
+            start = saved + held + 2 * w.gather_bytes + w.peak_output_bytes
+            saved -= own
+            end = saved + held + w.gather_bytes + 2 * w.reduce_bytes + w.peak_output_bytes
+            most = max(most, start, end)
+        if w.gather_bytes and not w.reduce_bytes:  # gathered here, reduced by a later piece
+            held += w.gather_bytes
+    return most
 
 
 def _stage_bytes(p: PricedClass, pieces: Sequence[Piece], s: int, last: int, field: str, pre: Work, post: Work) -> int:
