@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from topomesh.cost.cluster import axis_link, group_collective_time_s, load_cluster
-from topomesh.layout.dims import Layout
+from topomesh.layout.dims import Axis, Layout
 from topomesh.layout.place import place
 from topomesh.models.presets import get_preset
 from topomesh.sim.simulate import Simulator, Training, builtin_model
@@ -169,7 +169,8 @@ def test_dtensor_host_costs_measured_once_and_cached(tmp_path, monkeypatch, name
         torch.set_num_threads(before)
 
 
-def test_fsdp_backward_holds_the_gradient_reduction_buffers(model):
+@pytest.mark.parametrize("layout", [Layout(dp_shard=2), Layout(dp_replicate=2)], ids=["dp_shard", "dp_replicate"])
+def test_fsdp_backward_holds_the_gradient_reduction_buffers(model, layout):
     """tiny-llama block (hidden 64, 8 heads of 8, 4 KV heads, FFN 160): wq, wo 64x64, wk, wv
     64x32, three FFN matrices 64x160, two norms of 64 = 43,136 parameters; the root unit
     (embedding and head 256x64, final norm 64) 32,832. Under FSDP2 mixed precision on 2 ranks,
@@ -179,16 +180,21 @@ def test_fsdp_backward_holds_the_gradient_reduction_buffers(model):
     block's bf16 parameters, the float32 reduce-scatter inputs of this block and the one
     before (FSDP2 keeps it until this one is issued), and the largest op output. The
     transient is that beyond the activations at their fullest (all of them, when the backward
-    starts)."""
+    starts). Replicated (FSDP2's replicate: the same units, all-reduced), the bf16 parameters
+    are casts, not all-gathers, and the float32 all-reduce inputs as large: the same bytes."""
     from topomesh.trace.result import Part, Phase
 
     params = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64
     root = 2 * 256 * 64 + 64
     assert params == 43_136
     sim = Simulator(model=model, cluster=load_cluster("dgx-h100", gpus=2))
-    layout, training = Layout(dp_shard=2), Training(global_batch=2)
+    training = Training(global_batch=2)
     r = sim.simulate(layout, training)
     trace = sim.trace(layout, training)
+    if layout.degree(Axis.DP_REPLICATE) > 1:  # the casts, where they are made
+        made = {(s.part, s.phase): s.param_bytes for s in trace.segments}
+        assert made[(Part.BLOCK, Phase.BACKWARD)] == params * 2
+        assert trace.segments[0].part is Part.REST and trace.segments[0].param_bytes == root * 2
     peak_out = max(s.peak_output_bytes for s in trace.segments if s.phase in (Phase.FORWARD, Phase.BACKWARD))
     (block_saved,) = {s.saved_bytes for s in trace.segments if s.part is Part.BLOCK and s.phase is Phase.FORWARD}
     m = r.memory[0]

@@ -116,8 +116,8 @@ def test_files_are_private_json_and_hold_the_full_key(fast: list[dict], tmp_path
     assert path.name == hashlib.sha256(key.encode()).hexdigest()[:32] + ".trace.json.gz"
     assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
     doc = json.loads(gzip.decompress(path.read_bytes()))
-    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", 7, key)
-    assert key.endswith("|format7")
+    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", 8, key)
+    assert key.endswith("|format8")
     body = doc["trace"]["trace"]
     assert body["layout"] == [["tp", 2]] and body["model"] == trace.model
     # each distinct record once; segments list indices
@@ -181,7 +181,7 @@ def _first_op(doc: dict) -> dict:
         (lambda doc: doc["trace"]["trace"]["segments"][0].update(prefetch="0"), "prefetch: expected a list of record indices"),
         (lambda doc: doc["trace"].update(extra=[]), "expected an object with exactly 'records' and 'trace'"),
         (lambda doc: doc.update(key="someone else's key"), "stored for a different key"),
-        (lambda doc: doc.update(version=6), "not a topomesh-trace file of version 7"),
+        (lambda doc: doc.update(version=7), "not a topomesh-trace file of version 8"),
     ],
 )
 def test_a_tampered_entry_is_ignored_and_replaced(fast, tmp_path, caplog, edit, reason) -> None:  # noqa: ANN001

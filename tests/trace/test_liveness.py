@@ -20,7 +20,7 @@ def _peak(fn, *args) -> int:  # noqa: ANN001
     with FAKE:
         gm = make_fx(fn)(*args)
     where = {n: 0 for n in gm.graph.nodes}
-    saved, peak = _liveness(gm, where, [(Phase.BACKWARD, None)])
+    saved, peak, _ = _liveness(gm, where, [(Phase.BACKWARD, None)])
     assert saved == {}
     return peak.get(0, 0)
 
@@ -64,3 +64,26 @@ def test_parameters_their_derivatives_and_what_leaves_are_not_temporaries():
         return out
 
     assert _peak(step, _x()) == 4 * N  # a alone: out leaves, wt is parameter-made
+
+
+def test_what_a_segment_makes_from_parameters_alone():
+    """FSDP2's replicate-only units cast their parameters to the compute dtype without an
+    all-gather; the trace counts what a segment makes from parameters alone, by storage: a
+    float32 product of the parameter (4 N bytes) and its bfloat16 cast (2 N), not a view of it
+    (its storage), not a factory (made from nothing) and not what comes from the input."""
+    with FAKE:
+        w = torch.randn(N)
+
+    def step(x):
+        wt = w * 3  # 4 N, made from the parameter alone
+        half = w.to(torch.bfloat16)  # 2 N
+        v = w.view(32, 32)  # the parameter's own storage
+        z = torch.zeros(N)  # from nothing
+        a = x * 2  # from the input
+        return (a + wt + half + v.reshape(N) + z).sum()  # every sum made from the input
+
+    with FAKE:
+        gm = make_fx(step)(_x())
+    where = {n: 0 for n in gm.graph.nodes}
+    _, _, made = _liveness(gm, where, [(Phase.FORWARD, None)])
+    assert made == {0: 4 * N + 2 * N}

@@ -88,7 +88,10 @@ class Work:
     """Forward only: activations kept for backward, per micro-batch."""
     peak_output_bytes: int = 0
     gather_bytes: int = 0
-    """Parameters the piece's all-gathers bring in (their output buffers), bytes."""
+    """Parameters the piece's all-gathers bring in (their output buffers), bytes; in a piece
+    that gathers nothing, the parameters it makes (:attr:`Segment.param_bytes
+    <topomesh.trace.result.Segment.param_bytes>`: FSDP2 replicate's casts to the compute
+    dtype)."""
     reduce_bytes: int = 0
     """Input buffers of the piece's gradient reductions over data-parallel axes (FSDP2's
     reduce-scatter input: the unsharded gradients in the reduce dtype), bytes."""
@@ -209,7 +212,7 @@ class Pricer:
         by how they run (the same on every placement, so :func:`price_trace` keeps it per trace)."""
         drop = Counter(exclude or ())
         compute = weight = 0.0
-        flops = saved = peak = gathered = reduced = measured = roofline = 0
+        flops = saved = peak = gathered = reduced = made = measured = roofline = 0
         blocking: list[CollectiveRecord] = []
         gather: list[CollectiveRecord] = []
         reduce: list[CollectiveRecord] = []
@@ -219,6 +222,7 @@ class Pricer:
         for seg in segments:
             saved += seg.saved_bytes
             peak = max(peak, seg.peak_output_bytes)
+            made += seg.param_bytes
             for e in seg.events:
                 if drop and drop[e] > 0:
                     drop[e] -= 1
@@ -255,6 +259,9 @@ class Pricer:
             compute += sum(self._host_s(e) for e in extra)  # prefetched here
         (blocking if shared else gather).extend(extra)
         gathered += sum(e.bytes for e in extra)
+        # parameters a piece makes without gathering them: FSDP2's replicate-only units cast
+        # theirs to the compute dtype in each pre-forward and pre-backward (no all-gather)
+        gathered = gathered or made
         return Digest(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
                       flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
                       gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline)

@@ -200,14 +200,15 @@ def callable_key(fn: Callable | None) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-TRACE_FORMAT = 7
+TRACE_FORMAT = 8
 """Part of every cache key and file; raised when the tracer or the built-in models change what a
 trace holds, so traces stored by an older topomesh are not reused (2: context parallel, attention
 as its own ``sdpa`` module, GPT positions as a buffer; 3: JSON files instead of pickle; 4: each
 distinct record stored once, :func:`topomesh.trace.codec.trace_to_json`; 5: selective activation
 checkpointing recomputes in backward what its policy does not save, as a run does; 6: a segment's
 transient memory is its temporaries' live peak, not its largest tensor; 7: a parameter's gradient
-bytes are those of the gradient the traced backward made, not the parameter's)."""
+bytes are those of the gradient the traced backward made, not the parameter's; 8: a segment's
+``param_bytes``, what it makes from parameters alone)."""
 
 FILE_FORMAT = "topomesh-trace"
 FAILURE_FORMAT = "topomesh-trace-failure"

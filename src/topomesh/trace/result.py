@@ -51,6 +51,11 @@ class Segment:
     """Transient memory: the most bytes the segment's own temporaries (tensors it computes from
     the step's inputs and last reads itself) hold at once, by liveness in graph order
     (:func:`topomesh.trace.tracer._liveness`)."""
+    param_bytes: int = 0
+    """Bytes of the storages the segment makes from parameters alone, not from the step's
+    inputs: FSDP2's parameters cast to the compute dtype (under mixed precision, in each unit's
+    pre-forward and pre-backward) and its all-gather buffers, each counted once, where it is
+    made (views share their base's storage)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

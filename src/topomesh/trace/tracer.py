@@ -755,7 +755,7 @@ def _segments(
             if len(recs) == 1 and not isinstance(recs[0], CollectiveRecord) and not is_known(node.target):
                 unknown.add(recs[0].op)
     prefetch = _prefetches(gm, where, keys, records)
-    saved, peak = _liveness(gm, where, keys)
+    saved, peak, made = _liveness(gm, where, keys)
     events: list[list] = [[] for _ in keys]
     for node, recs in records.items():
         events[where[node]].extend(recs)
@@ -763,7 +763,7 @@ def _segments(
         Segment(
             part=Part.REST if lay is None else Part.BLOCK, phase=ph, layer=lay,
             events=tuple(ev), prefetch=prefetch.get(i, ()), saved_bytes=saved.get(i, 0),
-            peak_output_bytes=peak.get(i, 0),
+            peak_output_bytes=peak.get(i, 0), param_bytes=made.get(i, 0),
         )
         for i, ((ph, lay), ev) in enumerate(zip(keys, events, strict=True))
         if ev
@@ -817,9 +817,9 @@ def _prefetches(
 
 def _liveness(
     gm: torch.fx.GraphModule, where: Mapping[torch.fx.Node, int], keys: Sequence[tuple[Phase, int | None]]
-) -> tuple[dict[int, int], dict[int, int]]:
-    """Per segment index: bytes kept for backward, and the most bytes its own temporaries hold
-    at once.
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Per segment index: bytes kept for backward, the most bytes its own temporaries hold
+    at once, and the bytes of the storages it makes from parameters alone.
 
     A tensor is kept for backward when a forward node computed from the step's inputs
     (placeholders; parameters enter as constants, so weights and their transposes are not
@@ -835,6 +835,11 @@ def _liveness(
     last reader, so a node's inputs and outputs are live together; the peak is the largest
     sum over the segment's nodes. The loss's backward, for one, holds the gradients of the
     log-softmax and of the float32 and training-dtype logits at once, not only the largest.
+
+    What a segment makes from parameters alone (a new storage from nodes whose inputs are
+    parameters or made from them, not from the step's inputs, not from nothing) is counted
+    where it is made: FSDP2's parameters cast to the compute dtype, which a replicate-only unit
+    makes without an all-gather (the simulator counts gathered parameters by their all-gathers).
     """
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -844,12 +849,16 @@ def _liveness(
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     from_input: set[torch.fx.Node] = set()
     external: set[object] = set()  # storages of the step's inputs, parameters and state
+    from_params: set[torch.fx.Node] = set()  # parameters (constants) and what is made from them alone
     for node in gm.graph.nodes:
         if node.op == "placeholder" or any(a in from_input for a in node.all_input_nodes):
             from_input.add(node)
+        elif node.op == "get_attr" or any(a in from_params for a in node.all_input_nodes):
+            from_params.add(node)
         if node.op in ("placeholder", "get_attr"):
             val = node.meta.get("val") if node.op == "placeholder" else getattr(gm, str(node.target), None)
             external.update(StorageWeakRef(t.untyped_storage()).cdata for t in tensors(val))
+    made: dict[int, int] = {}  # segment -> bytes of the storages it makes from parameters alone
     owner: dict[object, tuple[int, int]] = {}  # storage -> (segment that first keeps it, bytes)
     born: dict[object, tuple[int, int, int]] = {}  # temporary storage -> (segment, first node, bytes)
     dies: dict[object, int] = {}
@@ -873,7 +882,9 @@ def _liveness(
                 continue
             if ref not in born:
                 if node not in from_input:
-                    external.add(ref)  # made from parameters alone
+                    external.add(ref)  # made from parameters alone, or from nothing
+                    if node in from_params:
+                        made[seg] = made.get(seg, 0) + st.nbytes()
                     continue
                 born[ref] = (seg, order[node], st.nbytes())
             elif born[ref][0] != seg:
@@ -895,7 +906,7 @@ def _liveness(
             live += nbytes
             most = max(most, live)
         peak[seg] = most
-    return saved, peak
+    return saved, peak, made
 
 
 def _order(gm: torch.fx.GraphModule) -> Callable[[torch.fx.Node], int]:
