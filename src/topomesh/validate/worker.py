@@ -105,9 +105,10 @@ def collective_deadline(ancestors: Iterable[tuple[str, int]], waits: list[int]) 
     once the collective is done: a free the profiler does not record. The issuing thread
     learns it is done at its next wait — for a functional collective
     (``_c10d_functional::*``), the first ``wait_tensor`` after the call; for a plain c10d call
-    (``c10d::*``: FSDP2's reduce-scatter, DDP's buckets), at its end, since ``torch.distributed``
-    waits before returning (``async_op=False``, what FSDP2 and the pipeline's blocking calls
-    use on CPU).
+    (``c10d::*``: FSDP2's reduce-scatter), at its end, since ``torch.distributed`` waits before
+    returning when called with ``async_op=False``, as FSDP2's ``foreach_reduce`` calls it. An
+    asynchronous plain call that allocated would be closed early; in the runs here only gloo's
+    reduce-scatter copies and functional all-gather outputs are freed unseen.
 
     >>> collective_deadline([("aten::empty", 5), ("_c10d_functional::all_gather_into_tensor", 9)], [7, 12, 20])
     12
