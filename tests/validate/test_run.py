@@ -15,6 +15,7 @@ from topomesh.cli.validate import _global_batch, _layouts
 from topomesh.errors import LayoutError
 from topomesh.models.presets import get_preset
 from topomesh.models.transformer import Transformer
+from topomesh.sim.result import StepBreakdown
 from topomesh.validate.run import LayoutResult, ValidateError, compare, layout_result
 from topomesh.validate.worker import (
     StageModel,
@@ -174,11 +175,10 @@ def test_allocation_records_see_the_profilers_addresses():
 
 
 def test_layout_result_takes_the_median_and_the_largest_rank():
-    class _B:
-        compute_s, exposed_comm_s, bubble_s, optimizer_s, p2p_s = 0.1, {"dp_shard": 0.02}, 0.0, 0.01, 0.0
-
     class _P:
-        step_time_s, peak_memory_bytes, breakdown = 0.13, 1000, _B()
+        step_time_s, peak_memory_bytes = 0.13, 1000
+        breakdown = StepBreakdown(compute_s=0.1, exposed_comm_s={"dp_shard": 0.02}, bubble_s=0.0, optimizer_s=0.01,
+                                  p2p_s=0.0)
 
     rec = {"step_s": [0.2, 0.1, 0.5, 0.12, 0.11], "cpu_s": [0.1, 0.09, 0.3, 0.1, 0.08], "peak_bytes": [900, 1250],
            "world_size": 2, "microbatches": 2, "loadavg_before": [1.5, 1, 1], "loadavg_after": [2.5, 1, 1],
@@ -368,13 +368,10 @@ def test_a_profile_without_what_the_layouts_need_is_calibrated_again(tmp_path, m
     assert (got, spawned) == ((tmp_path / "new.json", [4]) if again else (saved, []))
 
 
-class _Breakdown:
-    compute_s, exposed_comm_s, bubble_s, optimizer_s, p2p_s = 0.1, {}, 0.0, 0.01, 0.0
-
-
 class _Prediction:
     def __init__(self, step: float, peak: int = 10):
-        self.step_time_s, self.peak_memory_bytes, self.breakdown = step, peak, _Breakdown()
+        self.step_time_s, self.peak_memory_bytes = step, peak
+        self.breakdown = StepBreakdown(compute_s=0.1, exposed_comm_s={}, bubble_s=0.0, optimizer_s=0.01, p2p_s=0.0)
 
 
 def _record(steps: list[float], peak: int, load: float) -> dict:

@@ -315,8 +315,9 @@ def simulate_pipeline(
                 ready = state.compute_free
                 if dep is not None:
                     cross = stage_rank[dep[0]] != r
-                    arrive = (max(done[dep], state.compute_free) if late_receives else done[dep]) + p2p_s \
-                        if cross else done[dep]
+                    arrive = done[dep]
+                    if cross:  # the transfer starts when both sides are in it
+                        arrive = (max(arrive, state.compute_free) if late_receives else arrive) + p2p_s
                     if arrive > state.compute_free:
                         wait = arrive - state.compute_free
                         p2p_part = min(wait, p2p_s) if cross else 0.0

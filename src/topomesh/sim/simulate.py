@@ -538,20 +538,18 @@ def _one_pass_bytes(p: PricedClass, plan: StagePlan) -> int:
     head's backward to the end."""
     forward_saved = {"embed": p.fwd_pre.saved_bytes, "block": p.fwd_block.saved_bytes, "head": p.fwd_post.saved_bytes}
     most = saved = 0
-    for pc in plan.forward:
+    for pc in plan.forward:  # the activations only grow: a repeated piece holds most at its last copy
         w = pc.work
-        for _ in range(pc.count):
-            saved += w.saved_bytes
-            most = max(most, saved + 2 * w.gather_bytes + w.peak_output_bytes)
+        saved += w.saved_bytes * pc.count
+        most = max(most, saved + 2 * w.gather_bytes + w.peak_output_bytes)
     held = 0
-    for pc in plan.backward:
+    for pc in plan.backward:  # they only shrink: a repeated piece holds most at its first copy
         w = pc.work
         own = forward_saved.get(pc.label.split()[0], 0)
-        for _ in range(pc.count):
-            start = saved + held + 2 * w.gather_bytes + w.peak_output_bytes
-            saved -= own
-            end = saved + held + w.gather_bytes + 2 * w.reduce_bytes + w.peak_output_bytes
-            most = max(most, start, end)
+        start = saved + held + 2 * w.gather_bytes + w.peak_output_bytes
+        end = saved - own + held + w.gather_bytes + 2 * w.reduce_bytes + w.peak_output_bytes
+        most = max(most, start, end)
+        saved -= own * pc.count
         if w.gather_bytes and not w.reduce_bytes:  # gathered here, reduced by a later piece
             held += w.gather_bytes
     return most

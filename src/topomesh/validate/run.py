@@ -278,7 +278,6 @@ def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) 
     steps = tuple(float(s) for r in records for s in r["step_s"])
     order = sorted(range(len(passes)), key=lambda i: passes[i][0].step_time_s)
     prediction = passes[order[(len(order) - 1) // 2]][0]
-    b = prediction.breakdown
     return LayoutResult(
         layout=spec_text, predicted_s=prediction.step_time_s, measured_s=statistics.median(steps),
         predicted_peak_bytes=int(prediction.peak_memory_bytes),
@@ -287,8 +286,7 @@ def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) 
         page_faults=int(statistics.median([s for r in records for s in r.get("page_faults") or ()] or [0])),
         steps_s=steps, world_size=int(records[0]["world_size"]), microbatches=int(records[0]["microbatches"]),
         loadavg=tuple(x[0] for r in records for x in (r.get("loadavg_before"), r.get("loadavg_after")) if x),
-        breakdown={"compute_s": b.compute_s, "exposed_comm_s": dict(b.exposed_comm_s), "bubble_s": b.bubble_s,
-                   "optimizer_s": b.optimizer_s, "p2p_s": b.p2p_s},
+        breakdown=prediction.breakdown.to_dict(),
         runs_s=tuple(statistics.median(r["step_s"]) for r in records),
         predicted_runs_s=tuple(p.step_time_s for p, _ in passes),
     )

@@ -38,6 +38,7 @@ the c10d calls its profiled step made (:func:`collective_calls`).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -117,8 +118,6 @@ def collective_deadline(ancestors: Iterable[tuple[str, int]], waits: list[int]) 
     >>> collective_deadline([("aten::mm", 5), ("aten::linear", 6)], [7]) is None
     True
     """
-    import bisect
-
     plain = None
     for name, end in ancestors:
         if name.startswith("_c10d_functional::") and name != WAIT:
