@@ -182,10 +182,11 @@ def test_layout_result_takes_the_median_and_the_largest_rank():
 
     rec = {"step_s": [0.2, 0.1, 0.5, 0.12, 0.11], "cpu_s": [0.1, 0.09, 0.3, 0.1, 0.08], "peak_bytes": [900, 1250],
            "world_size": 2, "microbatches": 2, "loadavg_before": [1.5, 1, 1], "loadavg_after": [2.5, 1, 1],
-           "page_faults": [7, 0, 900, 3, 5]}
+           "page_faults": [7, 0, 900, 3, 5], "core_wait_s": [0.004, 0.0, 0.002, 0.03, 0.001]}
     r = layout_result("dp_shard=2", _P(), rec)
     assert (r.measured_s, r.measured_cpu_s, r.measured_peak_bytes) == (0.12, 0.1, 1250)
     assert r.page_faults == 5 and r.to_dict()["page_faults"] == 5
+    assert r.core_wait_s == 0.002 and r.to_dict()["core_wait_s"] == 0.002
     assert r.error == pytest.approx((0.13 - 0.12) / 0.12) and r.memory_error == pytest.approx(-250 / 1250)
     assert r.loadavg == (1.5, 2.5)
 
@@ -454,3 +455,14 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys):
     args.repeats = 0
     with pytest.raises(LayoutError, match="--repeats must be a positive integer, got 0"):
         cli.run(args)
+
+
+def test_the_wait_for_a_core_is_schedstat_s_second_field(tmp_path):
+    from topomesh.validate.worker import core_wait_ns
+
+    stat = tmp_path / "schedstat"
+    stat.write_text("1122200000 56600000 347\n")  # on a CPU, waiting on a run queue (ns), timeslices
+    assert core_wait_ns(str(stat)) == 56_600_000
+    stat.write_text("garbage")
+    assert core_wait_ns(str(stat)) == 0 and core_wait_ns(str(tmp_path / "absent")) == 0
+    assert core_wait_ns() >= 0  # this thread's own, where Linux has it

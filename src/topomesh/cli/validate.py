@@ -174,14 +174,14 @@ def _print(report: dict) -> None:
                         f"{report['global_batch']}, {report['threads']} thread(s) per process")
     runs = any(len(r.get("measured_runs_s") or ()) > 1 for r in report["layouts"])
     for col in ("layout", "ranks", "predicted ms", "measured ms", "error", *(("runs' medians ms",) if runs else ()),
-                "step IQR", "CPU ms", "pred. peak MB", "meas. peak MB", "mem error", "load"):
+                "step IQR", "CPU ms", "core wait ms", "pred. peak MB", "meas. peak MB", "mem error", "load"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for r in report["layouts"]:
         each = ("/".join(f"{x * 1e3:.0f}" for x in r.get("measured_runs_s") or ()),) if runs else ()
         table.add_row(r["layout"], str(r["world_size"]), f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
                       f"{r['error'] * 100:+.1f}%", *each,
                       "-" if r.get("measured_spread") is None else f"{r['measured_spread'] * 100:.1f}%",
-                      f"{r['measured_cpu_s'] * 1e3:.1f}",
+                      f"{r['measured_cpu_s'] * 1e3:.1f}", f"{r.get('core_wait_s', 0.0) * 1e3:.1f}",
                       f"{r['predicted_peak_bytes'] / 1e6:.1f}",
                       f"{r['measured_peak_bytes'] / 1e6:.1f}", f"{r['memory_error'] * 100:+.1f}%",
                       "/".join(f"{x:.1f}" for x in r["loadavg"]))

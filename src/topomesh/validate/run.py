@@ -67,6 +67,10 @@ class LayoutResult:
     from waiting for a core, for reading measurements taken on a machine others load."""
     page_faults: int = 0
     """Median over the timed steps of the most minor page faults a rank took in the step."""
+    core_wait_s: float = 0.0
+    """Median over the timed steps of the longest time a rank's stepping thread waited, ready,
+    for a core (s; :func:`~topomesh.validate.worker.core_wait_ns`): the step's time lost to
+    more runnable threads than cores."""
     steps_s: tuple[float, ...] = ()
     """Every timed step (s), slowest rank's."""
     world_size: int = 1
@@ -108,6 +112,7 @@ class LayoutResult:
             "predicted_s": self.predicted_s, "measured_s": self.measured_s, "error": self.error,
             "predicted_peak_bytes": self.predicted_peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
             "memory_error": self.memory_error, "measured_cpu_s": self.measured_cpu_s, "page_faults": self.page_faults,
+            "core_wait_s": self.core_wait_s,
             "cpu_error": (self.predicted_s - self.measured_cpu_s) / self.measured_cpu_s if self.measured_cpu_s else None,
             "steps_s": list(self.steps_s), "measured_spread": self.spread, "loadavg": list(self.loadavg),
             "breakdown": self.breakdown, "measured_runs_s": list(self.runs_s),
@@ -264,8 +269,8 @@ def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) 
     """One layout's :class:`LayoutResult` over one or several real runs (``--repeats``), each
     ``(prediction, worker record)`` with the prediction made just before its run.
 
-    Measured: the median of every timed step of every run (and so for CPU time and page
-    faults); the peak (the largest rank's) of the middle run by peak. Predicted: the median
+    Measured: the median of every timed step of every run (and so for CPU time, page faults
+    and the wait for a core); the peak (the largest rank's) of the middle run by peak. Predicted: the median
     prediction (the lower middle one for an even count), with its breakdown. A slow spell of
     the machine then moves one run's steps among several, not the whole measurement. The
     load average is kept from before and after every run.
@@ -284,6 +289,7 @@ def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) 
         measured_peak_bytes=statistics.median_low(max(r["peak_bytes"]) for r in records),
         measured_cpu_s=statistics.median([s for r in records for s in r.get("cpu_s") or ()] or [0.0]),
         page_faults=int(statistics.median([s for r in records for s in r.get("page_faults") or ()] or [0])),
+        core_wait_s=statistics.median([s for r in records for s in r.get("core_wait_s") or ()] or [0.0]),
         steps_s=steps, world_size=int(records[0]["world_size"]), microbatches=int(records[0]["microbatches"]),
         loadavg=tuple(x[0] for r in records for x in (r.get("loadavg_before"), r.get("loadavg_after")) if x),
         breakdown=prediction.breakdown.to_dict(),
