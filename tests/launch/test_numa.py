@@ -59,6 +59,10 @@ def test_cpu_only_workers_spread_over_nodes() -> None:
     got = plan(host, ["CPU0", "CPU0", "CPU0", "CPU0"], numa, "exclusive", set(range(8)))
     assert got == [Binding(numa_node=0, cpus=(0, 1)), Binding(numa_node=0, cpus=(2, 3)),
                    Binding(numa_node=1, cpus=(4, 5)), Binding(numa_node=1, cpus=(6, 7))]
+    # more workers than a node's CPUs (five a node; node 1 may use CPUs 4 and 5): one each, in turn
+    got = plan(host, ["CPU0"] * 10, numa, "exclusive", {0, 1, 2, 3, 4, 5})
+    assert [b.cpus for b in got if b.numa_node == 1] == [(4,), (5,), (4,), (5,), (4,)]
+    assert [b.cpus for b in got if b.numa_node == 0] == [(0,), (1,), (2,), (3,), (0,)]
 
 
 def test_cpus_the_process_may_use() -> None:

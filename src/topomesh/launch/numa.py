@@ -124,7 +124,8 @@ def plan(
         if mode is BindMode.EXCLUSIVE:
             peers = [j for j, n in enumerate(nodes) if n == node]
             k, m = peers.index(i), len(peers)
-            part = cpus[k * len(cpus) // m : (k + 1) * len(cpus) // m]
-            cpus = part or (cpus[k % len(cpus)],)  # more workers than CPUs: share, round robin
+            # more workers than CPUs: one CPU each, round robin (slices would leave some empty
+            # and stack their workers on the first CPU)
+            cpus = cpus[k * len(cpus) // m : (k + 1) * len(cpus) // m] if m <= len(cpus) else (cpus[k % len(cpus)],)
         out.append(Binding(numa_node=node, cpus=cpus))
     return out
