@@ -107,3 +107,17 @@ def test_bindings_round_trip_in_the_host_record() -> None:
     bad = {"hostname": "n", "numa_bindings": [{"local_rank": 0, "numa_node": 0, "cpus": "0-3;rm"}]}
     with pytest.raises(TopologyError, match="cpus must be a CPU list like '0-3,8', got '0-3;rm'"):
         Host.from_dict(bad)
+
+
+def test_binding_without_cuda_and_without_the_topology_is_refused_before_any_worker(monkeypatch) -> None:
+    from topomesh.errors import LaunchError
+    from topomesh.launch import cli
+
+    monkeypatch.setattr(cli, "_cuda", lambda: False)
+    started = []
+    monkeypatch.setattr("torch.distributed.run.run", lambda args: started.append(args))
+    with pytest.raises(LaunchError, match="--numa-binding exclusive without CUDA .* not --topology off"):
+        cli.main(["--standalone", "--nproc-per-node=2", "--numa-binding=exclusive", "--topology", "off", "x.py"])
+    assert started == []
+    cli.main(["--standalone", "--nproc-per-node=2", "--topology", "off", "x.py"])  # no binding asked: torchrun runs
+    assert len(started) == 1

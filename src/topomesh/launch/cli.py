@@ -197,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     options = options_from_args(args)
+    if options.mode is TopologyMode.OFF and getattr(args, "numa_binding", None) and not _cuda():
+        # torchrun's own binding asks CUDA for each worker's GPU and fails in every worker
+        raise LaunchError(f"--numa-binding {args.numa_binding} without CUDA binds workers from the discovered "
+                          "topology: give --topology auto (the default) or a file, not --topology off")
     if args.plan:
         from topomesh.layout.api import PLAN_ENV_VAR, read_plan
 
@@ -212,6 +216,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             run(args)
 
     launch()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def command(argv: Sequence[str]) -> int:
