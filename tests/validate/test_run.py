@@ -221,8 +221,8 @@ def test_pipeline_stages_compose_to_the_whole_model():
 
 
 def test_real_runs_keep_freed_memory_for_the_next_step(monkeypatch, tmp_path):
-    """The worker processes get glibc settings that reuse freed memory (no page faults per step)
-    and one thread per library."""
+    """The worker processes get glibc settings that reuse freed memory (no page faults per step),
+    one thread per library, and are bound to CPUs."""
     import subprocess
 
     from topomesh.layout.api import resolve_layout
@@ -232,7 +232,7 @@ def test_real_runs_keep_freed_memory_for_the_next_step(monkeypatch, tmp_path):
     seen = {}
 
     def fake_run(cmd, env, **kw):  # noqa: ANN001, ANN003, ANN202
-        seen.update(env)
+        seen.update(env, cmd=cmd)
         out = cmd[cmd.index("--out") + 1]
         Path(out).write_text("{}")
         return subprocess.CompletedProcess(cmd, 0, "", "")
@@ -242,6 +242,9 @@ def test_real_runs_keep_freed_memory_for_the_next_step(monkeypatch, tmp_path):
                  threads=1)
     assert seen["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20) and int(seen["MALLOC_TRIM_THRESHOLD_"]) >= 2**32
     assert seen["OMP_NUM_THREADS"] == "1"
+    # the ranks are bound, by topomesh's own binding (the topology agent: not --topology off)
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--numa-binding") + 1] == "exclusive" and "off" not in cmd
 
 
 def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_path):

@@ -49,6 +49,17 @@ a one-process step of ``benchmarks/validate_llama.json`` took 5,600–12,800 pag
 these, none. The op table's repeats already reuse their memory."""
 
 
+BIND = ("--numa-binding", "exclusive")
+"""Each real run's ranks bound to their share of the CPUs (``topomesh launch``'s binding from
+the discovered topology: one CPU each while there are as many, in turn beyond), as a job binds
+its ranks to their GPUs' cores; a rank's threads (its computing thread, gloo's transport
+thread) stay on its CPU. Unbound on this 2-vCPU VM, the scheduler sometimes queued a stage's
+computing thread behind the other stage's for a slice (2-6 ms) when a hand-off woke gloo's
+threads: the default set measured back to back, unbound then bound, `pp=2` 186.9 → 170.8 ms
+(predicted 173.6 and 169.8), the stepping threads' wait for a core 6.3 → 1.1 ms a step; every
+other layout within its run-to-run spread."""
+
+
 class ValidateError(TopomeshError, RuntimeError):
     """A real run of a layout failed or produced no measurement."""
 
@@ -232,7 +243,8 @@ def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, step
 
     def argv(tmp: Path) -> list[str]:
         return ["-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
-                "--log-dir", str(tmp / "logs"), "--topology", "off", "-m", "topomesh.validate.worker"]
+                "--log-dir", str(tmp / "logs"), "--topology-dir", str(tmp / "topology"), *BIND,
+                "-m", "topomesh.validate.worker"]
 
     return _run_child(f"the real run of layout {layout.describe()}", spec, argv, lambda out: json.loads(out.read_text()),
                       threads=threads, timeout_s=timeout_s, hint="; give fewer --steps or a smaller model")
