@@ -345,12 +345,18 @@ def test_a_shared_cache_directory_is_named_before_any_calibration_starts(tmp_pat
         run.ensure_collectives(2, timeout_s=5)
 
 
+BOUND = [[0], [1], [0], [1]]  # 4 ranks on CPUs 0 and 1, in turn: what BIND gives them on 2 CPUs
+
+
 @pytest.mark.parametrize("meta, again", [
-    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}}, False),
-    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1}}, True),  # none for 4 ranks
-    ({"world_size": 4, "statistic": "mean"}, True),  # a profile from before the stretch
-    ({"world_size": 2, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}}, True),  # too few ranks
-    ({"world_size": 4, "statistic": "median", "compute_stretch": {"2": 1.1, "4": 1.9}}, True),
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}, "rank_cpus": BOUND}, False),
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1}, "rank_cpus": BOUND}, True),  # none for 4
+    ({"world_size": 4, "statistic": "mean", "rank_cpus": BOUND}, True),  # a profile from before the stretch
+    ({"world_size": 2, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}, "rank_cpus": BOUND[:2]}, True),
+    ({"world_size": 4, "statistic": "median", "compute_stretch": {"2": 1.1, "4": 1.9}, "rank_cpus": BOUND}, True),
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}}, True),  # spawned unbound
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9},
+      "rank_cpus": [[0, 1]] * 4}, True),  # every rank on both CPUs
 ])
 def test_a_profile_without_what_the_layouts_need_is_calibrated_again(tmp_path, monkeypatch, meta, again):
     from types import SimpleNamespace
@@ -358,6 +364,7 @@ def test_a_profile_without_what_the_layouts_need_is_calibrated_again(tmp_path, m
     from topomesh.cost import calibrate, cluster
     from topomesh.validate import run
 
+    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
     saved = tmp_path / "saved.json"
     monkeypatch.setattr(cluster, "local_profile", lambda: (SimpleNamespace(meta=meta), saved))

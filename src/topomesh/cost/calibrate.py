@@ -474,6 +474,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         stretch = measure_compute_stretch([r for r, h in enumerate(hosts) if h == hosts[0]]) if device == "cpu" else {}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
+        rank_cpus: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rank_cpus, sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
         if me != 0:
             return None
         all_samples = [s for part in gathered for s in part]
@@ -482,6 +484,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "world_size": len(hosts), "hosts": sorted(set(hosts)), "devices": sorted({d for _, d in ranks}),
             "link_source": link_source, "sizes_bytes": cfg.sizes(), "torch": torch.__version__, "statistic": STATISTIC,
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
+            "rank_cpus": rank_cpus,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],
             "samples": [[s.collective.value, s.link.value, s.group_size, s.nbytes, s.seconds] for s in all_samples],
@@ -530,8 +533,11 @@ def spawn_local(nproc: int, worker_argv: Sequence[str], *, timeout_s: float = 60
     import subprocess
     import tempfile
 
+    from topomesh.launch.numa import ENV_VAR, cpulist, exclusive_share
+
     if nproc < 2:
         raise CalibrationError(f"--local needs at least 2 processes to measure a collective, got {nproc}")
+    allowed = sorted(os.sched_getaffinity(0))
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="topomesh-calibrate-") as tmp:
         result_file = Path(tmp) / "result.json"
@@ -541,13 +547,15 @@ def spawn_local(nproc: int, worker_argv: Sequence[str], *, timeout_s: float = 60
             for rank in range(nproc):
                 env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
-                       "GROUP_RANK": "0", "OMP_NUM_THREADS": str(threads_per_proc)}
+                       "GROUP_RANK": "0", "OMP_NUM_THREADS": str(threads_per_proc),
+                       # bound as `topomesh validate` binds its runs (launch --numa-binding exclusive)
+                       ENV_VAR: cpulist(exclusive_share(allowed, rank, nproc))}
                 extra = ["--result-file", str(result_file)] if rank == 0 else ["--no-progress"]
                 log = open(Path(tmp) / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
                 logs.append(log)
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "topomesh.cost.calibrate", *worker_argv, *extra], env=env,
-                    stdout=log, stderr=None if rank == 0 else log))
+                    [sys.executable, "-m", "topomesh.launch.bind", sys.executable, "-m", "topomesh.cost.calibrate",
+                     *worker_argv, *extra], env=env, stdout=log, stderr=None if rank == 0 else log))
             deadline = time.monotonic() + timeout_s
             codes = {}
             while len(codes) < nproc:

@@ -123,9 +123,18 @@ def plan(
         cpus = usable[node]
         if mode is BindMode.EXCLUSIVE:
             peers = [j for j, n in enumerate(nodes) if n == node]
-            k, m = peers.index(i), len(peers)
-            # more workers than CPUs: one CPU each, round robin (slices would leave some empty
-            # and stack their workers on the first CPU)
-            cpus = cpus[k * len(cpus) // m : (k + 1) * len(cpus) // m] if m <= len(cpus) else (cpus[k % len(cpus)],)
+            cpus = exclusive_share(cpus, peers.index(i), len(peers))
         out.append(Binding(numa_node=node, cpus=cpus))
     return out
+
+
+def exclusive_share(cpus: Sequence[int], k: int, m: int) -> tuple[int, ...]:
+    """Worker ``k`` of ``m``'s part of ``cpus`` under ``exclusive``: equal consecutive slices,
+    or one CPU each in turn when there are more workers than CPUs (slices would leave some
+    empty and stack their workers on the first CPU).
+
+    >>> exclusive_share(range(8), 1, 4), exclusive_share([0, 1], 2, 4), exclusive_share([0, 1], 3, 4)
+    ((2, 3), (0,), (1,))
+    """
+    cpus = tuple(cpus)
+    return cpus[k * len(cpus) // m : (k + 1) * len(cpus) // m] if m <= len(cpus) else (cpus[k % len(cpus)],)

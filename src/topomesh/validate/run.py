@@ -168,8 +168,10 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     """The gloo profile of this host, calibrated now (``calibrate --local world``, sizes up to
     16 MiB) when none is saved, the newest measured fewer ranks than ``world``, it reduced
     its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
-    before 2026-11-25), or it has no compute stretch for ``world`` ranks (before 2026-11-25's
-    last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`)."""
+    before 2026-11-25), it has no compute stretch for ``world`` ranks (before 2026-11-25's
+    last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), or its ranks'
+    CPUs are not recorded (before 2026-11-26: spawned unbound, while the real runs are
+    bound, :data:`BIND`)."""
     from topomesh.cost.calibrate import STATISTIC, profile_directory, spawn_local
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
@@ -179,7 +181,8 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
         prof, path = local_profile()
         stretch = prof.meta.get("compute_stretch")
         if (int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC
-                and isinstance(stretch, dict) and (world < 2 or str(world) in stretch)):
+                and isinstance(stretch, dict) and (world < 2 or str(world) in stretch)
+                and _bound_as_runs(prof.meta.get("rank_cpus"))):
             return path
     except ClusterError:
         pass
@@ -187,6 +190,18 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
             "--no-progress", "--backend", "gloo"]
     result = spawn_local(max(2, world), argv, timeout_s=timeout_s)
     return Path(result["profile"])
+
+
+def _bound_as_runs(rank_cpus: Any) -> bool:
+    """Whether a profile's ranks had the CPUs :data:`BIND` gives the real runs' ranks (as
+    many each as ``exclusive`` gives that rank of that world, from the CPUs we may use)."""
+    from topomesh.launch.numa import exclusive_share
+
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if not isinstance(rank_cpus, list) or not rank_cpus:
+        return False
+    n = len(rank_cpus)
+    return all(isinstance(c, list) and len(c) == len(exclusive_share(allowed, r, n)) for r, c in enumerate(rank_cpus))
 
 
 def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], None] | None = None) -> dict:
