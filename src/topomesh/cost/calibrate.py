@@ -533,11 +533,8 @@ def spawn_local(nproc: int, worker_argv: Sequence[str], *, timeout_s: float = 60
     import subprocess
     import tempfile
 
-    from topomesh.launch.numa import ENV_VAR, cpulist, exclusive_share
-
     if nproc < 2:
         raise CalibrationError(f"--local needs at least 2 processes to measure a collective, got {nproc}")
-    allowed = sorted(os.sched_getaffinity(0))
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="topomesh-calibrate-") as tmp:
         result_file = Path(tmp) / "result.json"
@@ -547,15 +544,13 @@ def spawn_local(nproc: int, worker_argv: Sequence[str], *, timeout_s: float = 60
             for rank in range(nproc):
                 env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
-                       "GROUP_RANK": "0", "OMP_NUM_THREADS": str(threads_per_proc),
-                       # bound as `topomesh validate` binds its runs (launch --numa-binding exclusive)
-                       ENV_VAR: cpulist(exclusive_share(allowed, rank, nproc))}
+                       "GROUP_RANK": "0", "OMP_NUM_THREADS": str(threads_per_proc)}
                 extra = ["--result-file", str(result_file)] if rank == 0 else ["--no-progress"]
                 log = open(Path(tmp) / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
                 logs.append(log)
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "topomesh.launch.bind", sys.executable, "-m", "topomesh.cost.calibrate",
-                     *worker_argv, *extra], env=env, stdout=log, stderr=None if rank == 0 else log))
+                    [sys.executable, "-m", "topomesh.cost.calibrate", *worker_argv, *extra], env=env,
+                    stdout=log, stderr=None if rank == 0 else log))
             deadline = time.monotonic() + timeout_s
             codes = {}
             while len(codes) < nproc:

@@ -49,17 +49,6 @@ a one-process step of ``benchmarks/validate_llama.json`` took 5,600–12,800 pag
 these, none. The op table's repeats already reuse their memory."""
 
 
-BIND = ("--numa-binding", "exclusive")
-"""Each real run's ranks bound to their share of the CPUs (``topomesh launch``'s binding from
-the discovered topology: one CPU each while there are as many, in turn beyond), as a job binds
-its ranks to their GPUs' cores; a rank's threads (its computing thread, gloo's transport
-thread) stay on its CPU. Unbound on this 2-vCPU VM, the scheduler sometimes queued a stage's
-computing thread behind the other stage's for a slice (2-6 ms) when a hand-off woke gloo's
-threads: the default set measured back to back, unbound then bound, `pp=2` 186.9 → 170.8 ms
-(predicted 173.6 and 169.8), the stepping threads' wait for a core 6.3 → 1.1 ms a step; every
-other layout within its run-to-run spread."""
-
-
 class ValidateError(TopomeshError, RuntimeError):
     """A real run of a layout failed or produced no measurement."""
 
@@ -169,9 +158,8 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     16 MiB) when none is saved, the newest measured fewer ranks than ``world``, it reduced
     its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
     before 2026-11-25), it has no compute stretch for ``world`` ranks (before 2026-11-25's
-    last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), or its ranks'
-    CPUs are not recorded (before 2026-11-26: spawned unbound, while the real runs are
-    bound, :data:`BIND`)."""
+    last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), or its ranks were
+    bound to CPUs (the real runs are not: :func:`_unbound`)."""
     from topomesh.cost.calibrate import STATISTIC, profile_directory, spawn_local
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
@@ -182,7 +170,7 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
         stretch = prof.meta.get("compute_stretch")
         if (int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC
                 and isinstance(stretch, dict) and (world < 2 or str(world) in stretch)
-                and _bound_as_runs(prof.meta.get("rank_cpus"))):
+                and _unbound(prof.meta.get("rank_cpus"))):
             return path
     except ClusterError:
         pass
@@ -192,16 +180,19 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     return Path(result["profile"])
 
 
-def _bound_as_runs(rank_cpus: Any) -> bool:
-    """Whether a profile's ranks had the CPUs :data:`BIND` gives the real runs' ranks (as
-    many each as ``exclusive`` gives that rank of that world, from the CPUs we may use)."""
-    from topomesh.launch.numa import exclusive_share
+def _unbound(rank_cpus: Any) -> bool:
+    """Whether a profile's ranks could run on every CPU we may use, as the real runs' ranks do
+    (a profile from before 2026-11-26 does not record them: its ranks were spawned unbound).
 
+    Bound ranks measure other collectives: two gloo ranks bound one to a CPU here took
+    1.4-2.1 ms for a small all-gather against 0.7-1.1 ms unbound (a rank's calling thread and
+    gloo's threads then take turns on one CPU). Binding the real runs as well was tried
+    (2026-11-26): it settled the two-rank pipeline's waits for a core, but four ranks on the
+    two CPUs, two bound to each, ran `tp=4` in 2.7 s against 3.5 s unbound and were predicted
+    +28 % (bound calibration) and +35 % (unbound) off, `pp=4` -13 and -21 %.
+    """
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if not isinstance(rank_cpus, list) or not rank_cpus:
-        return False
-    n = len(rank_cpus)
-    return all(isinstance(c, list) and len(c) == len(exclusive_share(allowed, r, n)) for r, c in enumerate(rank_cpus))
+    return rank_cpus is None or (isinstance(rank_cpus, list) and all(c == allowed for c in rank_cpus))
 
 
 def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], None] | None = None) -> dict:
@@ -258,8 +249,7 @@ def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, step
 
     def argv(tmp: Path) -> list[str]:
         return ["-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
-                "--log-dir", str(tmp / "logs"), "--topology-dir", str(tmp / "topology"), *BIND,
-                "-m", "topomesh.validate.worker"]
+                "--log-dir", str(tmp / "logs"), "--topology", "off", "-m", "topomesh.validate.worker"]
 
     return _run_child(f"the real run of layout {layout.describe()}", spec, argv, lambda out: json.loads(out.read_text()),
                       threads=threads, timeout_s=timeout_s, hint="; give fewer --steps or a smaller model")
