@@ -473,3 +473,20 @@ def test_the_wait_for_a_core_is_schedstat_s_second_field(tmp_path):
     stat.write_text("garbage")
     assert core_wait_ns(str(stat)) == 0 and core_wait_ns(str(tmp_path / "absent")) == 0
     assert core_wait_ns() >= 0  # this thread's own, where Linux has it
+
+
+def test_the_report_names_the_collective_profile_and_its_age(tmp_path):
+    from topomesh.cli.validate import profile_info
+    from topomesh.errors import ClusterError
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"meta": {"measured_at": "2026-11-26T05:55:03Z"}}))
+    # by hand: 2026-11-26 05:55:03 UTC is 1,795,672,503 s after the epoch; 2 h 15 min later
+    assert profile_info(prof, now=1_795_672_503 + 8_100) == {
+        "path": str(prof), "measured_at": "2026-11-26T05:55:03Z", "age_h": 2.25}
+    prof.write_text(json.dumps({"meta": {"measured_at": "yesterday"}}))
+    assert profile_info(prof)["age_h"] is None
+    prof.write_text("[1, 2]")
+    assert profile_info(prof)["measured_at"] is None
+    with pytest.raises(ClusterError, match="collective profile"):
+        profile_info(tmp_path / "absent.json")

@@ -37,6 +37,9 @@ def test_validate_two_layouts(tmp_path):
     report = json.loads(proc.stdout)
     assert [r["layout"] for r in report["layouts"]] == ["dp_shard=1", "dp_shard=2"]
     assert report["global_batch"] == 4  # 2 x lcm(1, 2)
+    # the calibration this run made priced it: named, minutes old at most
+    prof = report["collective_profile"]
+    assert prof["path"].startswith(str(tmp_path / "cache")) and 0 <= prof["age_h"] < 0.5
     for r in report["layouts"]:
         assert set(r) >= {"layout", "predicted_s", "measured_s", "error", "predicted_peak_bytes", "measured_peak_bytes"}
         assert r["error"] == pytest.approx((r["predicted_s"] - r["measured_s"]) / r["measured_s"])

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     cache = TraceCache(default_directory())
     worlds = sorted({lay.world_size for _, lay in layouts})
     with err.status("collective profile (calibrated once, then reused)"):
-        ensure_collectives(max(worlds))
+        profile = profile_info(ensure_collectives(max(worlds)))
     sims = {w: Simulator(model=model, cluster=local_cluster(gpus=w), cache=cache) for w in worlds}
     records: list[OpRecord] = []
     for text, lay in layouts:
@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     report = compare(results)
     report.update({"model": model.spec.name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
                    "warmup": args.warmup, "repeats": args.repeats, "cpus": len(_affinity()),
+                   "collective_profile": profile,
                    "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
                                      max(x for r in results for x in r.loadavg or (0,))]})
     if args.png:
@@ -158,6 +159,34 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(report)
     return 0
+
+
+def profile_info(path: object, now: float | None = None) -> dict:
+    """Which collective profile priced the run and how old it was: its path, when it was
+    measured (``meta.measured_at``) and the hours since. The ops are timed just before each
+    run; the collectives come from this one calibration, and on this VM two calibrations an
+    hour apart moved the TP and DP predictions by 3-8 %.
+
+    >>> import json, tempfile
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    >>> _ = f.write(json.dumps({"meta": {"measured_at": "2026-11-26T05:55:03Z"}})); f.close()
+    >>> profile_info(f.name, now=1795672503.0 + 5400)["age_h"]  # 05:55:03 UTC + 1.5 h
+    1.5
+    """
+    import calendar
+    import time
+
+    from topomesh.errors import ClusterError
+    from topomesh.topology.api import read_json
+
+    doc = read_json(path, what="collective profile", error=ClusterError)
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    at = meta.get("measured_at") if isinstance(meta, dict) else None
+    try:
+        age = ((time.time() if now is None else now) - calendar.timegm(time.strptime(str(at), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        age = None
+    return {"path": str(path), "measured_at": at, "age_h": None if age is None else round(age / 3600, 2)}
 
 
 def _affinity() -> set[int]:
@@ -191,3 +220,8 @@ def _print(report: dict) -> None:
                   f"fastest predicted {report['fastest_predicted']}, measured {report['fastest_measured']} "
                   f"({'agree' if report['fastest_correct'] else 'DISAGREE'}); peak memory max |error| "
                   f"{report['max_abs_memory_error'] * 100:.1f}%", highlight=False)
+    prof = report.get("collective_profile") or {}
+    if prof:
+        age = "" if prof.get("age_h") is None else f", {prof['age_h']:.1f} h before this run"
+        console.print(f"collectives priced from {prof['path']} (calibrated {prof.get('measured_at')}{age}); "
+                      "ops timed in each layout's replayed step just before its run", highlight=False)
