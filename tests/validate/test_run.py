@@ -410,7 +410,7 @@ def test_repeated_runs_pool_every_step_and_take_the_middle_prediction():
         pooled_result("tp=2", [passes[0], (_Prediction(1.0), _record([], 7, 0.5))])
 
 
-def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys):
+def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_path):
     """The CLI with its calibration, tracing and real runs faked: the layouts are taken in
     turn, each run after its own prediction, and the report pools them."""
     from types import SimpleNamespace
@@ -441,7 +441,9 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys):
 
     monkeypatch.setattr(simulate, "Simulator", FakeSim)
     monkeypatch.setattr(cluster, "local_cluster", lambda gpus: None)
-    monkeypatch.setattr(vrun, "ensure_collectives", lambda world: None)
+    saved = tmp_path / "profile.json"
+    saved.write_text(json.dumps({"meta": {"measured_at": "2026-11-26T05:55:03Z"}}))
+    monkeypatch.setattr(vrun, "ensure_collectives", lambda world: saved)
     monkeypatch.setattr(vrun, "ensure_ops", lambda records, progress=None: {})
     monkeypatch.setattr(vrun, "measure", measure)
     p = argparse.ArgumentParser()
@@ -456,9 +458,13 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys):
     assert one["measured_s"] == pytest.approx(1.3) and one["measured_runs_s"] == pytest.approx([1.1, 1.5])
     assert one["predicted_runs_s"] == [1.1, 1.3] and one["predicted_s"] == 1.1  # the lower middle of two
     assert two["measured_s"] == 2.5 and two["predicted_s"] == 2.4
+    assert report["collective_profile"]["path"] == str(saved)  # the profile that priced the run
+    assert report["collective_profile"]["measured_at"] == "2026-11-26T05:55:03Z"
     monkeypatch.setenv("COLUMNS", "250")  # every column of the table on one line
     cli._print(report)
-    assert "1100/1500" in capsys.readouterr().out  # each run's median, in the order run
+    shown = capsys.readouterr().out
+    assert "1100/1500" in shown  # each run's median, in the order run
+    assert "calibrated 2026-11-26T05:55:03Z" in shown
     args.repeats = 0
     with pytest.raises(LayoutError, match="--repeats must be a positive integer, got 0"):
         cli.run(args)
