@@ -567,3 +567,17 @@ def test_mutated_trees_give_a_host_or_a_topology_error(tmp_path, name):
             host = discover_host(root, use_nvml=False)
         topo = single_host_topology(host)
         assert topo.world_size >= 1
+
+
+def test_allowed_cpus_are_the_affinity_sorted_or_every_cpu_without_it(monkeypatch):
+    import os
+
+    from topomesh.topology import discover
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 1, 2}, raising=False)
+    assert discover.allowed_cpus() == [1, 2, 8]  # a set iterates 8 first
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert discover.allowed_cpus() == [0, 1, 2]
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # unknown: one
+    assert discover.allowed_cpus() == [0]

@@ -361,7 +361,7 @@ def test_a_profile_without_what_the_layouts_need_is_calibrated_again(tmp_path, m
     from topomesh.cost import calibrate, cluster
     from topomesh.validate import run
 
-    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr("topomesh.topology.discover.allowed_cpus", lambda: [0, 1])
     monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
     saved = tmp_path / "saved.json"
     monkeypatch.setattr(cluster, "local_profile", lambda: (SimpleNamespace(meta=meta), saved))
@@ -441,8 +441,7 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
 
     monkeypatch.setattr(simulate, "Simulator", FakeSim)
     monkeypatch.setattr(cluster, "local_cluster", lambda gpus: None)
-    saved = tmp_path / "profile.json"
-    saved.write_text(json.dumps({"meta": {"measured_at": "2026-11-26T05:55:03Z"}}))
+    saved = _profile_file(tmp_path / "profile.json", {"measured_at": "2026-11-26T05:55:03Z"})
     monkeypatch.setattr(vrun, "ensure_collectives", lambda world: saved)
     monkeypatch.setattr(vrun, "ensure_ops", lambda records, progress=None: {})
     monkeypatch.setattr(vrun, "measure", measure)
@@ -481,18 +480,28 @@ def test_the_wait_for_a_core_is_schedstat_s_second_field(tmp_path):
     assert core_wait_ns() >= 0  # this thread's own, where Linux has it
 
 
-def test_the_report_names_the_collective_profile_and_its_age(tmp_path):
-    from topomesh.cli.validate import profile_info
-    from topomesh.errors import ClusterError
+def _profile_file(path, meta):  # noqa: ANN001, ANN202
+    from topomesh.cost.collectives import CollectiveProfile
 
-    prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({"meta": {"measured_at": "2026-11-26T05:55:03Z"}}))
+    path.write_text(json.dumps(CollectiveProfile(name="t", backend="gloo", source="test", models={},
+                                                 meta=meta).to_dict()))
+    return path
+
+
+def test_the_report_names_the_collective_profile_and_its_age(tmp_path):
+    from topomesh.errors import CalibrationError
+    from topomesh.validate.run import profile_info
+
+    prof = _profile_file(tmp_path / "p.json", {"measured_at": "2026-11-26T05:55:03Z"})
     # by hand: 2026-11-26 05:55:03 UTC is 1,795,672,503 s after the epoch; 2 h 15 min later
     assert profile_info(prof, now=1_795_672_503 + 8_100) == {
         "path": str(prof), "measured_at": "2026-11-26T05:55:03Z", "age_h": 2.25}
-    prof.write_text(json.dumps({"meta": {"measured_at": "yesterday"}}))
+    _profile_file(prof, {"measured_at": "yesterday"})
     assert profile_info(prof)["age_h"] is None
+    _profile_file(prof, {})
+    assert profile_info(prof) == {"path": str(prof), "measured_at": None, "age_h": None}
     prof.write_text("[1, 2]")
-    assert profile_info(prof)["measured_at"] is None
-    with pytest.raises(ClusterError, match="collective profile"):
+    with pytest.raises(CalibrationError, match="malformed collective profile"):
+        profile_info(prof)
+    with pytest.raises(CalibrationError, match="collective profile"):
         profile_info(tmp_path / "absent.json")

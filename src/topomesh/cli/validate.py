@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from topomesh.sim.inputs import load_model
     from topomesh.sim.schedules import Schedule
     from topomesh.sim.simulate import Simulator, Training
+    from topomesh.topology.discover import allowed_cpus
     from topomesh.trace.cache import TraceCache, default_directory
     from topomesh.trace.graph import OpRecord
     from topomesh.validate.run import (
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         in_step_tables,
         measure,
         pooled_result,
+        profile_info,
     )
 
     for name in ("steps", "threads", "repeats"):
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     results = [pooled_result(text, passes[text]) for text, _ in layouts]
     report = compare(results)
     report.update({"model": model.spec.name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
-                   "warmup": args.warmup, "repeats": args.repeats, "cpus": len(_affinity()),
+                   "warmup": args.warmup, "repeats": args.repeats, "cpus": len(allowed_cpus()),
                    "collective_profile": profile,
                    "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
                                      max(x for r in results for x in r.loadavg or (0,))]})
@@ -159,40 +161,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(report)
     return 0
-
-
-def profile_info(path: object, now: float | None = None) -> dict:
-    """Which collective profile priced the run and how old it was: its path, when it was
-    measured (``meta.measured_at``) and the hours since. The ops are timed just before each
-    run; the collectives come from this one calibration, and on this VM two calibrations an
-    hour apart moved the TP and DP predictions by 3-8 %.
-
-    >>> import json, tempfile
-    >>> f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    >>> _ = f.write(json.dumps({"meta": {"measured_at": "2026-11-26T05:55:03Z"}})); f.close()
-    >>> profile_info(f.name, now=1795672503.0 + 5400)["age_h"]  # 05:55:03 UTC + 1.5 h
-    1.5
-    """
-    import calendar
-    import time
-
-    from topomesh.errors import ClusterError
-    from topomesh.topology.api import read_json
-
-    doc = read_json(path, what="collective profile", error=ClusterError)
-    meta = doc.get("meta") if isinstance(doc, dict) else None
-    at = meta.get("measured_at") if isinstance(meta, dict) else None
-    try:
-        age = ((time.time() if now is None else now) - calendar.timegm(time.strptime(str(at), "%Y-%m-%dT%H:%M:%SZ")))
-    except ValueError:
-        age = None
-    return {"path": str(path), "measured_at": at, "age_h": None if age is None else round(age / 3600, 2)}
-
-
-def _affinity() -> set[int]:
-    import os
-
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def _print(report: dict) -> None:

@@ -201,6 +201,9 @@ def _op(kind: CollectiveKind, inp: Any, out: Any, group: Any, ranks: tuple[int, 
     return lambda: dist.recv(inp, src=ranks[0])
 
 
+MEASURED_AT = "%Y-%m-%dT%H:%M:%SZ"
+"""How a profile's ``meta.measured_at`` is written (UTC)."""
+
 STATISTIC = "mean"
 """What a point's repeats are reduced to, recorded in a profile's ``meta``. The mean: a step pays
 the sum of its collectives' times, whose expectation is the sum of their means. The median
@@ -444,6 +447,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
+    from topomesh.topology.discover import allowed_cpus
+
     cfg = config_from_args(args)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise CalibrationError(
@@ -475,7 +480,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
         rank_cpus: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(rank_cpus, sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
+        dist.all_gather_object(rank_cpus, allowed_cpus())
         if me != 0:
             return None
         all_samples = [s for part in gathered for s in part]
@@ -485,7 +490,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "link_source": link_source, "sizes_bytes": cfg.sizes(), "torch": torch.__version__, "statistic": STATISTIC,
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
             "rank_cpus": rank_cpus,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "measured_at": time.strftime(MEASURED_AT, time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],
             "samples": [[s.collective.value, s.link.value, s.group_size, s.nbytes, s.seconds] for s in all_samples],
         }

@@ -355,15 +355,14 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     measured = prof.meta.get("world_size")
     n = gpus if gpus is not None else (measured if isinstance(measured, int) and measured > 0 else 2)
     world_shape(n, n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, "the local cluster")
-    import os
-
     import torch
 
     from topomesh.cost.dispatch import dtensor_collective_s, dtensor_dispatch_s, fsdp_host_s
+    from topomesh.topology.discover import allowed_cpus
 
     host = Host(hostname=socket.gethostname())
     topo = build_topology([host], default_placement([host], [n]), source="local")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(allowed_cpus())
     fsdp_reduce, fsdp_gather = fsdp_host_s(directory=directory)
     stretch = prof.meta.get("compute_stretch")
     stretch = stretch.get(str(n)) if isinstance(stretch, dict) and n > 1 else None

@@ -356,6 +356,14 @@ def read_eth_nics(root: str | os.PathLike[str], skip_bus_ids: set[str]) -> list[
     return out
 
 
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on, sorted (``os.sched_getaffinity``; every CPU of
+    ``os.cpu_count`` where the platform lacks it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def read_numa_nodes(root: str | os.PathLike[str]) -> dict[int, tuple[int, ...]]:
     """NUMA node number -> its CPUs; nodes without CPUs (memory-only) are left out."""
     base = os.path.join(root, "sys", "devices", "system", "node")

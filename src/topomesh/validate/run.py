@@ -191,8 +191,30 @@ def _unbound(rank_cpus: Any) -> bool:
     two CPUs, two bound to each, ran `tp=4` in 2.7 s against 3.5 s unbound and were predicted
     +28 % (bound calibration) and +35 % (unbound) off, `pp=4` -13 and -21 %.
     """
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    from topomesh.topology.discover import allowed_cpus
+
+    allowed = allowed_cpus()
     return rank_cpus is None or (isinstance(rank_cpus, list) and all(c == allowed for c in rank_cpus))
+
+
+def profile_info(path: str | Path, now: float | None = None) -> dict[str, Any]:
+    """Which collective profile priced the run and how old it was: its path, when it was
+    measured (``meta.measured_at``) and the hours since (None where that is not a
+    :data:`~topomesh.cost.calibrate.MEASURED_AT` time). The ops are timed just before each
+    run; the collectives come from this one calibration, and on this VM two calibrations an
+    hour apart moved the TP and DP predictions by 3-8 %."""
+    import calendar
+    import time
+
+    from topomesh.cost.calibrate import MEASURED_AT
+    from topomesh.cost.collectives import load_profile
+
+    at = load_profile(path).meta.get("measured_at")
+    try:
+        age = (time.time() if now is None else now) - calendar.timegm(time.strptime(str(at), MEASURED_AT))
+    except ValueError:
+        age = None
+    return {"path": str(path), "measured_at": at, "age_h": None if age is None else round(age / 3600, 2)}
 
 
 def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], None] | None = None) -> dict:
