@@ -95,6 +95,17 @@ def test_cli_local_json_and_bad_input(tmp_path, capsys):
     [model] = data["models"]
     assert model["collective"] == "broadcast" and model["link"] == "SHM"
     assert model["fit_error"]["heldout_points"] == 2
+    # a second launch's sweep pooled with the first: both sweeps' rows, one fit over them
+    first = json.loads(out.read_text())["meta"]
+    assert main(["calibrate", "--local", "2", "--json", "--min-bytes", str(64 * 1024), "--max-bytes", str(2**24),
+                 "--factor", "4", "--collectives", "broadcast", "--output", str(out), "--pool", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["sweeps"] == 2
+    meta = load_profile(out).meta
+    assert meta["samples"][:5] == first["samples"] and len(meta["samples"]) == 10  # 5 sizes a sweep
+    assert [s["measured_at"] for s in meta["sweeps"]][0] == first["measured_at"]
+    assert load_profile(out).model(CollectiveKind.BROADCAST, LinkKind.SHM).fit.train_points == 6  # 3 sizes x 2 sweeps
+    assert main(["calibrate", "--local", "2", "--pool", "0"]) == 2
+    assert "--pool must be 1 to 64 sweeps, got 0" in capsys.readouterr().err
     assert main(["calibrate", "--local", "1"]) == 2
     assert "at least 2 processes" in capsys.readouterr().err
     assert main(["calibrate", "--local", "2", "--collectives", "all_sum"]) == 2
@@ -180,3 +191,51 @@ def test_rank_zero_refuses_a_shared_cache_before_joining_the_sweep(tmp_path, mon
     add_sweep_arguments(p)
     with pytest.raises(CalibrationError, match="has mode 0775"):
         worker(p.parse_args([]))
+
+
+def _sweep_meta(at: str, seconds: list[float], stretch: float, **meta: object) -> dict:
+    rows = [["all_reduce", "SHM", 2, 1024 * (i + 1), t] for i, t in enumerate(seconds)]
+    return {"world_size": 2, "statistic": "mean", "measured_at": at, "samples": rows,
+            "compute_stretch": {"2": stretch}, **meta}
+
+
+def test_pooling_keeps_the_newest_sweeps_rows_in_order_and_averages_their_stretch():
+    from topomesh.cost.calibrate import pool_sweeps
+
+    saved, why = None, None
+    for at, seconds, stretch in (("t1", [1.0, 2.0], 1.1), ("t2", [3.0], 1.2), ("t3", [4.0, 5.0], 1.6)):
+        saved, why = pool_sweeps(saved, _sweep_meta(at, seconds, stretch), keep=2)
+        assert why is None
+    # keep 2: t1 dropped; t2's one row, then t3's two
+    assert [s["measured_at"] for s in saved["sweeps"]] == ["t2", "t3"]
+    assert [s["points"] for s in saved["sweeps"]] == [1, 2]
+    assert [r[4] for r in saved["samples"]] == [3.0, 4.0, 5.0]
+    assert saved["compute_stretch"] == {"2": pytest.approx((1.2 + 1.6) / 2)}
+    assert saved["measured_at"] == "t3"
+    # a profile from before pooling (no "sweeps") counts as one sweep
+    old = _sweep_meta("t0", [9.0], 1.0)
+    got, why = pool_sweeps(old, _sweep_meta("t1", [1.0], 1.4), keep=4)
+    assert why is None and [r[4] for r in got["samples"]] == [9.0, 1.0] and got["compute_stretch"]["2"] == 1.2
+    # keep 1: this sweep alone, whatever was saved
+    got, why = pool_sweeps(saved, _sweep_meta("t4", [6.0], 1.3), keep=1)
+    assert why is None and [r[4] for r in got["samples"]] == [6.0] and got["compute_stretch"] == {"2": 1.3}
+
+
+@pytest.mark.parametrize("saved, reason", [
+    (_sweep_meta("t0", [1.0], 1.1, world_size=4), "it measured world_size 4, this sweep 2"),
+    (_sweep_meta("t0", [1.0], 1.1, statistic="median"), "it measured statistic median, this sweep mean"),
+    (_sweep_meta("t0", [1.0], 1.1, rank_cpus=[[0], [1]]), "it measured rank_cpus"),
+    ({**_sweep_meta("t0", [1.0, 2.0], 1.1), "sweeps": [{"points": 1}]}, "its sweeps do not add up"),
+    ({**_sweep_meta("t0", [1.0], 1.1), "sweeps": [{"points": "1"}]}, "its sweeps do not add up"),
+    ({**_sweep_meta("t0", [1.0], 1.1), "samples": [["all_sum", "SHM", 2, 8, 1.0]]}, "its samples are not"),
+    ({**_sweep_meta("t0", [1.0], 1.1), "samples": [["all_reduce", "SHM", 2, 8, float("nan")]]}, "its samples are not"),
+    ({**_sweep_meta("t0", [1.0], 1.1), "samples": "rows"}, "its samples are not"),
+    ([], "it has no meta"),
+])
+def test_a_sweep_measured_otherwise_is_not_pooled(saved, reason):
+    from topomesh.cost.calibrate import pool_sweeps
+
+    new = _sweep_meta("t1", [3.0], 1.3)
+    got, why = pool_sweeps(saved, new, keep=4)
+    assert why is not None and why.startswith(reason)
+    assert got["samples"] == new["samples"] and [s["measured_at"] for s in got["sweeps"]] == ["t1"]

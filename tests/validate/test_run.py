@@ -442,15 +442,18 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
     monkeypatch.setattr(simulate, "Simulator", FakeSim)
     monkeypatch.setattr(cluster, "local_cluster", lambda gpus: None)
     saved = _profile_file(tmp_path / "profile.json", {"measured_at": "2026-11-26T05:55:03Z"})
-    monkeypatch.setattr(vrun, "ensure_collectives", lambda world: saved)
+    monkeypatch.setattr(vrun, "ensure_collectives", lambda world: order.append(f"reuse {world}") or saved)
+    monkeypatch.setattr(vrun, "pooled_collectives", lambda world: order.append(f"sweep {world}") or saved)
     monkeypatch.setattr(vrun, "ensure_ops", lambda records, progress=None: {})
     monkeypatch.setattr(vrun, "measure", measure)
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
-    args = p.parse_args(["--model", "tiny-llama", "--layouts", "dp_shard=1", "--layouts", "tp=2", "--repeats", "2",
-                         "--no-in-step", "--json"])
+    args_text = ["--model", "tiny-llama", "--layouts", "dp_shard=1", "--layouts", "tp=2", "--repeats", "2",
+                 "--no-in-step", "--json"]
+    args = p.parse_args(args_text)
     assert cli.run(args) == 0
-    assert order == ["dp_shard=1", "tp=2", "dp_shard=1", "tp=2"]
+    # one more collective sweep (of the largest world) before each pass's runs
+    assert order == ["sweep 2", "dp_shard=1", "tp=2", "sweep 2", "dp_shard=1", "tp=2"]
     report = json.loads(capsys.readouterr().out)
     assert report["repeats"] == 2
     one, two = report["layouts"]
@@ -464,6 +467,11 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
     shown = capsys.readouterr().out
     assert "1100/1500" in shown  # each run's median, in the order run
     assert "calibrated 2026-11-26T05:55:03Z" in shown
+    order.clear()
+    steps = {"dp_shard=1": iter([[1.0], [1.0]]), "tp=2": iter([[2.0], [2.0]])}
+    predictions = iter([1.1, 2.4, 1.3, 2.6])
+    assert cli.run(p.parse_args([*args_text, "--no-sweep-each-pass"])) == 0
+    assert order == ["reuse 2", "dp_shard=1", "tp=2", "dp_shard=1", "tp=2"]  # the saved profile, once
     args.repeats = 0
     with pytest.raises(LayoutError, match="--repeats must be a positive integer, got 0"):
         cli.run(args)
@@ -495,11 +503,13 @@ def test_the_report_names_the_collective_profile_and_its_age(tmp_path):
     prof = _profile_file(tmp_path / "p.json", {"measured_at": "2026-11-26T05:55:03Z"})
     # by hand: 2026-11-26 05:55:03 UTC is 1,795,672,503 s after the epoch; 2 h 15 min later
     assert profile_info(prof, now=1_795_672_503 + 8_100) == {
-        "path": str(prof), "measured_at": "2026-11-26T05:55:03Z", "age_h": 2.25}
+        "path": str(prof), "measured_at": "2026-11-26T05:55:03Z", "age_h": 2.25, "sweeps": 1}
+    _profile_file(prof, {"measured_at": "2026-11-26T05:55:03Z", "sweeps": [{"points": 1}] * 3})
+    assert profile_info(prof)["sweeps"] == 3  # a profile pooled over three launches' sweeps
     _profile_file(prof, {"measured_at": "yesterday"})
     assert profile_info(prof)["age_h"] is None
     _profile_file(prof, {})
-    assert profile_info(prof) == {"path": str(prof), "measured_at": None, "age_h": None}
+    assert profile_info(prof) == {"path": str(prof), "measured_at": None, "age_h": None, "sweeps": 1}
     prof.write_text("[1, 2]")
     with pytest.raises(CalibrationError, match="malformed collective profile"):
         profile_info(prof)

@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes), "--factor", str(args.factor),
-            "--collectives", args.collectives, "--max-repeats", str(args.max_repeats), "--backend", args.backend]
+            "--collectives", args.collectives, "--max-repeats", str(args.max_repeats), "--backend", args.backend,
+            "--pool", str(args.pool)]
     if args.max_group:
         argv += ["--max-group", str(args.max_group)]
     if args.output:
@@ -113,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _print_table(f"calibrated profile {result['cluster_fingerprint']}", result["models"])
-        print(f"profile: {result['profile']}  (sweep {result['sweep_seconds']:.1f} s)", file=sys.stderr)
+        pooled = f", fitted over {result['sweeps']} sweeps" if result.get("sweeps", 1) > 1 else ""
+        print(f"profile: {result['profile']}  (sweep {result['sweep_seconds']:.1f} s{pooled})", file=sys.stderr)
+        if result.get("not_pooled"):
+            print(f"not pooled with the saved profile: {result['not_pooled']}", file=sys.stderr)
         for key, why in result.get("skipped", {}).items():
             print(f"not fitted: {key}: {why}", file=sys.stderr)
     return 0

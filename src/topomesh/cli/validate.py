@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-step", action=argparse.BooleanOptionalAction, default=True,
                    help="price ops at their times inside the step (each layout's traced step replayed for real), "
                         "not only at their isolated op-table times (default on; context-parallel layouts: off)")
+    p.add_argument("--sweep-each-pass", action=argparse.BooleanOptionalAction, default=True,
+                   help="before each pass over the layouts, one more collective sweep, the profile fitted over it "
+                        "and the newest saved ones (4 in all; default on). Off: the saved profile is reused "
+                        "(calibrated once when there is none)")
     p.add_argument("--json", action="store_true", help="the report as JSON")
     p.add_argument("--png", default=None, metavar="FILE", help="predicted against measured step time, one point per layout")
 
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         ensure_ops,
         in_step_tables,
         measure,
+        pooled_collectives,
         pooled_result,
         profile_info,
     )
@@ -117,13 +122,24 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     cache = TraceCache(default_directory())
     worlds = sorted({lay.world_size for _, lay in layouts})
-    with err.status("collective profile (calibrated once, then reused)"):
-        profile = profile_info(ensure_collectives(max(worlds)))
-    sims = {w: Simulator(model=model, cluster=local_cluster(gpus=w), cache=cache) for w in worlds}
+
+    def collectives(tag: str) -> tuple[dict, dict]:
+        """The collective profile (one more sweep pooled with the saved ones, or the saved one
+        reused) and the local cluster of every world priced with it."""
+        if args.sweep_each_pass:  # between the passes' runs
+            with err.status(f"{tag}collective sweep ({max(worlds)} processes), pooled with the saved ones"):
+                path = pooled_collectives(max(worlds))
+        else:
+            with err.status("collective profile (calibrated once, then reused)"):
+                path = ensure_collectives(max(worlds))
+        return profile_info(path), {w: local_cluster(gpus=w) for w in worlds}
+
+    tag = f"run 1/{args.repeats}: " if args.repeats > 1 else ""
+    profile, clusters = collectives(tag)
     records: list[OpRecord] = []
     for text, lay in layouts:
         with err.status(f"tracing {model.spec.name} under {text}"):
-            trace = sims[lay.world_size].trace(lay, training)
+            trace = Simulator(model=model, cluster=clusters[lay.world_size], cache=cache).trace(lay, training)
         full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
         records += [e for e in full.events() if isinstance(e, OpRecord)]
     with err.status("op table (ops not yet measured at this thread count)") as status:
@@ -131,13 +147,15 @@ def run(args: argparse.Namespace) -> int:
     passes: dict[str, list] = {text: [] for text, _ in layouts}
     for n in range(args.repeats):  # the layouts in turn: a slow spell of the VM falls on all of them
         tag = f"run {n + 1}/{args.repeats}: " if args.repeats > 1 else ""
+        if n and args.sweep_each_pass:
+            profile, clusters = collectives(tag)
         for text, lay in layouts:
             in_step: dict[str, dict] = {}
             if args.in_step:  # just before the real run: this VM's speed drifts over minutes
                 with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed)"):
                     in_step = in_step_tables(args.model, args.seq_len, [(text, lay)], training, threads=args.threads)
             # one simulator per layout: op times are memoized per simulator, and each layout has its own
-            sim = Simulator(model=model, cluster=sims[lay.world_size].cluster, cache=cache,
+            sim = Simulator(model=model, cluster=clusters[lay.world_size], cache=cache,
                             table={**table, **in_step.get(text, {})})
             predicted = sim.simulate(lay, training)
             with err.status(f"{tag}running {text} for real ({lay.world_size} processes, {args.steps} steps)"):
@@ -191,5 +209,6 @@ def _print(report: dict) -> None:
     prof = report.get("collective_profile") or {}
     if prof:
         age = "" if prof.get("age_h") is None else f", {prof['age_h']:.1f} h before this run"
-        console.print(f"collectives priced from {prof['path']} (calibrated {prof.get('measured_at')}{age}); "
+        sweeps = f", fitted over {prof['sweeps']} sweeps" if prof.get("sweeps", 1) > 1 else ""
+        console.print(f"collectives priced from {prof['path']} (calibrated {prof.get('measured_at')}{age}{sweeps}); "
                       "ops timed in each layout's replayed step just before its run", highlight=False)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import socket
 import statistics
@@ -373,6 +374,88 @@ def stretch_of(alone: Sequence[float], together: Sequence[Sequence[float]]) -> f
     return statistics.fmean(max(times) for times in together) / statistics.fmean(alone)
 
 
+MAX_POOL = 64
+"""Most sweeps ``--pool`` fits over (a profile then holds up to 64 sweeps' rows)."""
+
+POOLED_KEYS = ("world_size", "hosts", "devices", "link_source", "sizes_bytes", "collectives", "max_repeats",
+               "torch", "statistic", "groups", "rank_cpus")
+"""What two sweeps must share to be pooled into one fit (``meta`` of a profile): the same
+ranks, hosts, links, sizes, collectives, repeats, torch, statistic and CPU binding."""
+
+
+def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any], str | None]:
+    """``new``'s meta (one sweep just measured) pooled with the newest ``keep - 1`` sweeps of
+    ``old`` (a saved profile's meta, or None), and why ``old`` was not pooled (None when it
+    was, or when there was nothing to pool).
+
+    A gloo collective's time on a small VM is heavy-tailed (a peer's thread waits for a
+    core): three sweeps of 20 repeats a point, taken back to back here, fitted a 2-rank
+    all-gather 23-31 % apart and send/recv 44-53 %; with 5 repeats a point, 64-114 %. The
+    mean of more repeats is the cure, and repeats spread over separate launches also sample
+    what a launch settles once (where its threads run). The pooled meta keeps every sweep's
+    rows in ``samples``, in order, and per sweep in ``sweeps`` when it was measured, how many
+    rows it holds and its compute stretch; ``compute_stretch`` is the mean of the sweeps'.
+
+    >>> one = {"measured_at": "t1", "samples": [["all_reduce", "SHM", 2, 8, 1.0]],
+    ...        "compute_stretch": {"2": 1.2}, "world_size": 2}
+    >>> two = {**one, "measured_at": "t2", "compute_stretch": {"2": 1.4}}
+    >>> meta, why = pool_sweeps(one, two, keep=4)
+    >>> why, [s["measured_at"] for s in meta["sweeps"]], round(meta["compute_stretch"]["2"], 2), len(meta["samples"])
+    (None, ['t1', 't2'], 1.3, 2)
+    >>> pool_sweeps(one, {**two, "world_size": 4}, keep=4)[1]
+    'it measured world_size 2, this sweep 4'
+    """
+    this = {"measured_at": new.get("measured_at"), "points": len(new["samples"]),
+            "compute_stretch": new.get("compute_stretch") or {}, "sweep_seconds": new.get("sweep_seconds")}
+    alone = {**new, "sweeps": [this]}
+    if keep < 2 or old is None:
+        return alone, None
+    reason = _unpoolable(old, new)
+    if reason:
+        return alone, reason
+    rows = old["samples"]
+    sweeps = old.get("sweeps") or [{"measured_at": old.get("measured_at"), "points": len(rows),
+                                    "compute_stretch": old.get("compute_stretch") or {},
+                                    "sweep_seconds": old.get("sweep_seconds")}]
+    starts = [0]
+    for sw in sweeps:
+        starts.append(starts[-1] + sw["points"])
+    kept = sweeps[-(keep - 1):]
+    rows = rows[starts[len(sweeps) - len(kept)]:] + list(new["samples"])
+    kept = [*kept, this]
+    stretch: dict[str, float] = {}
+    for n in this["compute_stretch"]:
+        values = [float(sw["compute_stretch"][n]) for sw in kept
+                  if isinstance((sw.get("compute_stretch") or {}).get(n), int | float)]
+        stretch[n] = statistics.fmean(values)
+    return {**new, "samples": rows, "sweeps": kept, "compute_stretch": stretch}, None
+
+
+def _unpoolable(old: Any, new: dict[str, Any]) -> str | None:
+    """Why a saved profile's ``meta`` cannot be pooled with ``new`` (None when it can): it was
+    measured otherwise (:data:`POOLED_KEYS`) or its rows do not add up to its sweeps."""
+    if not isinstance(old, dict):
+        return "it has no meta"
+    for key in POOLED_KEYS:
+        if old.get(key) != new.get(key):
+            return f"it measured {key} {old.get(key)}, this sweep {new.get(key)}"
+    rows, sweeps = old.get("samples"), old.get("sweeps")
+    if not isinstance(rows, list) or not all(_is_row(r) for r in rows):
+        return "its samples are not [collective, link, group size, bytes, seconds] rows"
+    if sweeps is not None and not (
+            isinstance(sweeps, list) and sweeps
+            and all(isinstance(sw, dict) and type(sw.get("points")) is int and sw["points"] >= 0 for sw in sweeps)
+            and sum(sw["points"] for sw in sweeps) == len(rows)):
+        return "its sweeps do not add up to its samples"
+    return None
+
+
+def _is_row(row: Any) -> bool:
+    return (isinstance(row, list) and len(row) == 5 and row[0] in {k.value for k in CollectiveKind}
+            and row[1] in {k.value for k in LinkKind} and type(row[2]) is int and type(row[3]) is int
+            and isinstance(row[4], int | float) and math.isfinite(row[4]) and row[4] >= 0)
+
+
 def points_per_rank0(cfg: SweepConfig, groups: Sequence[GroupSpec]) -> int:
     total = 0
     for g in groups:
@@ -428,6 +511,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: nccl when CUDA is available, else gloo")
     p.add_argument("--output", type=Path, default=None,
                    help="profile JSON to write (default: the cache dir, by cluster fingerprint)")
+    p.add_argument("--pool", type=int, default=1, metavar="N",
+                   help="fit over this sweep and the newest N-1 saved in the output profile, where they were "
+                        "measured the same way (default 1: this sweep alone)")
     p.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -437,6 +523,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         kinds = tuple(CollectiveKind(k.strip()) for k in args.collectives.split(",") if k.strip())
     except ValueError as exc:
         raise CalibrationError(f"--collectives: {exc}") from None
+    if not 1 <= getattr(args, "pool", 1) <= MAX_POOL:
+        raise CalibrationError(f"--pool must be 1 to {MAX_POOL} sweeps, got {args.pool}")
     return SweepConfig(min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
                        collectives=kinds, max_group=args.max_group, max_repeats=args.max_repeats,
                        min_repeats=min(3, args.max_repeats))
@@ -485,28 +573,46 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             return None
         all_samples = [s for part in gathered for s in part]
         fp = cluster_fingerprint([tuple(r) for r in ranks], backend)
+        elapsed = time.perf_counter() - started
         meta = {
             "world_size": len(hosts), "hosts": sorted(set(hosts)), "devices": sorted({d for _, d in ranks}),
-            "link_source": link_source, "sizes_bytes": cfg.sizes(), "torch": torch.__version__, "statistic": STATISTIC,
+            "link_source": link_source, "sizes_bytes": cfg.sizes(), "collectives": [k.value for k in cfg.collectives],
+            "max_repeats": cfg.max_repeats, "torch": torch.__version__, "statistic": STATISTIC,
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
             "rank_cpus": rank_cpus,
             "measured_at": time.strftime(MEASURED_AT, time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],
             "samples": [[s.collective.value, s.link.value, s.group_size, s.nbytes, s.seconds] for s in all_samples],
+            "sweep_seconds": elapsed,
         }
-        prof, skipped = fit_profile(all_samples, name=f"calibrated-{fp}", backend=backend, fingerprint=fp, meta=meta)
-        elapsed = time.perf_counter() - started
+        out = Path(args.output or default_profile_path(fp))
+        meta, not_pooled = pool_sweeps(_saved_meta(out, fp) if args.pool > 1 and out.exists() else None, meta,
+                                       args.pool)
+        pooled = [Sample(collective=CollectiveKind(c), link=LinkKind(k), group_size=g, nbytes=b, seconds=float(t))
+                  for c, k, g, b, t in meta["samples"]]
+        prof, skipped = fit_profile(pooled, name=f"calibrated-{fp}", backend=backend, fingerprint=fp, meta=meta)
         prof_dict = prof.to_dict()
-        prof_dict["meta"]["sweep_seconds"] = elapsed
-        out = args.output or default_profile_path(fp)
-        write_json_atomic(Path(out), prof_dict)
+        write_json_atomic(out, prof_dict)
         result = {"profile": str(out), "cluster_fingerprint": fp, "sweep_seconds": elapsed,
+                  "sweeps": len(meta["sweeps"]), "not_pooled": not_pooled,
                   "models": list(prof_dict["models"]), "skipped": skipped}
         if args.result_file:
             write_json_atomic(args.result_file, result)
         return result
     finally:
         dist.destroy_process_group()
+
+
+def _saved_meta(path: Path, fingerprint: str) -> Any:
+    """The meta of the profile saved at ``path`` to pool with (None where it is another
+    cluster's or not a profile: it is then replaced, as without ``--pool``)."""
+    from topomesh.topology.api import read_json
+
+    try:
+        raw = read_json(path, what="collective profile", error=CalibrationError)
+    except CalibrationError:
+        return None
+    return raw.get("meta") if isinstance(raw, dict) and raw.get("cluster_fingerprint") == fingerprint else None
 
 
 def _sweep_with_progress(cfg: SweepConfig, groups: Sequence[GroupSpec], device: str, *, show: bool) -> list[Sample]:

@@ -174,9 +174,30 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
             return path
     except ClusterError:
         pass
-    argv = ["--collectives", "all_reduce,all_gather,reduce_scatter,send_recv", "--max-bytes", str(16 << 20),
-            "--no-progress", "--backend", "gloo"]
-    result = spawn_local(max(2, world), argv, timeout_s=timeout_s)
+    result = spawn_local(max(2, world), SWEEP_ARGV, timeout_s=timeout_s)
+    return Path(result["profile"])
+
+
+SWEEP_ARGV = ("--collectives", "all_reduce,all_gather,reduce_scatter,send_recv", "--max-bytes", str(16 << 20),
+              "--no-progress", "--backend", "gloo")
+"""The sweep validate calibrates with: the collectives its layouts issue, up to 16 MiB."""
+
+
+POOL = 4
+"""Sweeps the collective profile is fitted over when validate adds one before each pass
+(``calibrate --pool``): this one and the newest three saved. Three sweeps back to back here
+fitted a 2-rank reduce-scatter 16-36 % apart and put two ranks' compute stretch at 1.06-1.30;
+the mean over four launches halves such spreads where they are the tail of one launch's repeats."""
+
+
+def pooled_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
+    """One more gloo sweep of this host (``calibrate --local world``, as :func:`ensure_collectives`
+    runs it), the profile fitted over it and the newest :data:`POOL` - 1 sweeps saved before
+    it that were measured the same way (:func:`~topomesh.cost.calibrate.pool_sweeps`)."""
+    from topomesh.cost.calibrate import profile_directory, spawn_local
+
+    profile_directory()
+    result = spawn_local(max(2, world), [*SWEEP_ARGV, "--pool", str(POOL)], timeout_s=timeout_s)
     return Path(result["profile"])
 
 
@@ -200,21 +221,24 @@ def _unbound(rank_cpus: Any) -> bool:
 def profile_info(path: str | Path, now: float | None = None) -> dict[str, Any]:
     """Which collective profile priced the run and how old it was: its path, when it was
     measured (``meta.measured_at``) and the hours since (None where that is not a
-    :data:`~topomesh.cost.calibrate.MEASURED_AT` time). The ops are timed just before each
-    run; the collectives come from this one calibration, and on this VM two calibrations an
-    hour apart moved the TP and DP predictions by 3-8 %."""
+    :data:`~topomesh.cost.calibrate.MEASURED_AT` time) and how many sweeps it pools. The ops
+    are timed just before each run; the collectives come from this calibration, and on this VM
+    two single-sweep calibrations an hour apart moved the TP and DP predictions by 3-8 %."""
     import calendar
     import time
 
     from topomesh.cost.calibrate import MEASURED_AT
     from topomesh.cost.collectives import load_profile
 
-    at = load_profile(path).meta.get("measured_at")
+    meta = load_profile(path).meta
+    at = meta.get("measured_at")
+    sweeps = meta.get("sweeps")
     try:
         age = (time.time() if now is None else now) - calendar.timegm(time.strptime(str(at), MEASURED_AT))
     except ValueError:
         age = None
-    return {"path": str(path), "measured_at": at, "age_h": None if age is None else round(age / 3600, 2)}
+    return {"path": str(path), "measured_at": at, "age_h": None if age is None else round(age / 3600, 2),
+            "sweeps": len(sweeps) if isinstance(sweeps, list) and sweeps else 1}
 
 
 def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], None] | None = None) -> dict:
