@@ -31,7 +31,7 @@ def test_validate_two_layouts(tmp_path):
     env = {**os.environ, "TOPOMESH_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run(
         [sys.executable, "-m", "topomesh", "validate", "--model", str(model), "--layouts", "dp_shard=1",
-         "--layouts", "dp_shard=2", "--steps", "4", "--json", "--png", str(png)],
+         "--layouts", "dp_shard=2", "--steps", "4", "--repeats", "1", "--json", "--png", str(png)],
         env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)

@@ -37,10 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"a layout to run (repeatable; its world is the product of the degrees); "
                         f"default: {' | '.join(DEFAULT_LAYOUTS)}")
     p.add_argument("--steps", type=int, default=8, metavar="N", help="timed steps per layout, median taken (default 8)")
-    p.add_argument("--repeats", type=int, default=1, metavar="N",
+    p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="real runs per layout, the layouts taken in turn N times, each run after its own in-step "
-                        "timing and prediction; all their steps pooled (default 1). Two processes on a small VM "
-                        "move ±5 %% from one run to the next: this averages a slow spell out")
+                        "timing and prediction; all their steps pooled (default 3). Two processes on a small VM "
+                        "move ±5-10 %% from one run to the next: this averages a slow spell out")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="steps discarded first (default 2, at least 2)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch threads per process, in the runs and in the op table (default 1)")
