@@ -364,6 +364,73 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> d
     return {str(n): statistics.fmean(r) for n, r in ratios.items()} if me == lead else {}
 
 
+IN_STEP_COMPUTE_S = 0.002
+"""The compute between two collectives :func:`measure_collective_in_step` runs: a tensor-parallel
+block's piece here (1-3 ms, :data:`STRETCH_SEGMENTS_S`)."""
+IN_STEP_POINTS = ((CollectiveKind.ALL_GATHER, 128 * KiB), (CollectiveKind.REDUCE_SCATTER, 128 * KiB),
+                  (CollectiveKind.ALL_REDUCE, 256 * KiB), (CollectiveKind.ALL_REDUCE, 8 * KiB))
+"""(collective, bytes of the full buffer) :func:`measure_collective_in_step` times: a small
+transformer's activations (128-256 KiB) and a small all-reduce."""
+
+
+def measure_collective_in_step(ranks: Sequence[int], *, repeats: int = 200) -> float | None:
+    """How much longer a collective of ``ranks`` (two ranks of one host, CPU) takes between
+    compute, as in a step, than back to back between barriers, as the sweep times it: the
+    mean over :data:`IN_STEP_POINTS` (call on every rank of the world).
+
+    Gloo's threads sleep while the ranks compute, and waking them on a busy host is not free.
+    Per point, both ranks run ``repeats`` times [collective, then a matmul chain of
+    :data:`IN_STEP_COMPUTE_S`], and the chain alone as often; the difference per repeat, less
+    the collective's mean between barriers, is what the step pays more. Two gloo ranks here
+    (2026-11-26, three runs of 200-300 repeats): an all-gather of 128 KiB 0.70-0.92 ms between
+    barriers and 1.31-1.64 ms between 2 ms chains, an all-reduce of 256 KiB 1.94-2.20 and
+    2.27-2.58 ms, of 8 KiB 1.59-1.82 and 1.82-2.07 ms; the mean over the four points +0.25 to
+    +0.61 ms. Between 0.5 ms chains the difference was within the noise either way.
+    Returns the seconds on ``ranks[0]``, None on the others."""
+    import torch
+    import torch.distributed as dist
+
+    from topomesh.layout import groups as tm_groups
+
+    me, team = dist.get_rank(), tuple(ranks[:2])
+    pg = tm_groups.new_group(team)
+    extra: list[float] = []
+    if me in team:
+        chain = _matmul_chain()
+        chain(50)
+        per = torch.zeros(1, dtype=torch.float64)
+        if me == team[0]:
+            t0 = time.perf_counter()
+            chain(400)
+            per[0] = (time.perf_counter() - t0) / 400
+        dist.broadcast(per, src=team[0], group=pg)
+        k = max(1, round(IN_STEP_COMPUTE_S / max(float(per[0]), 1e-7)))
+        for kind, nbytes in IN_STEP_POINTS:
+            inp, out = _buffers(kind, nbytes, 2, "cpu")
+            fn = _op(kind, inp, out, pg, team, me)
+            for _ in range(3):
+                fn()
+            between = statistics.fmean(_time_once(fn, pg, "cpu") for _ in range(repeats))
+            alone = _loop_s(None, chain, k, repeats, pg)
+            extra.append(_loop_s(fn, chain, k, repeats, pg) - alone - between)
+    dist.barrier()
+    return statistics.fmean(extra) if me == team[0] else None
+
+
+def _loop_s(fn: Callable[[], None] | None, chain: Callable[[int], None], k: int, repeats: int, pg: Any) -> float:
+    """Seconds per repeat of [``fn()`` (when given), ``chain(k)``], between two barriers of ``pg``."""
+    import torch.distributed as dist
+
+    dist.barrier(group=pg)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        if fn is not None:
+            fn()
+        chain(k)
+    dist.barrier(group=pg)
+    return (time.perf_counter() - t0) / repeats
+
+
 def stretch_of(alone: Sequence[float], together: Sequence[Sequence[float]]) -> float:
     """``E[the last of the ranks to finish] / E[one rank alone]``: ``together[i]`` holds every
     rank's time for repeat ``i`` (the means: :data:`STATISTIC`).
@@ -394,7 +461,8 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     mean of more repeats is the cure, and repeats spread over separate launches also sample
     what a launch settles once (where its threads run). The pooled meta keeps every sweep's
     rows in ``samples``, in order, and per sweep in ``sweeps`` when it was measured, how many
-    rows it holds and its compute stretch; ``compute_stretch`` is the mean of the sweeps'.
+    rows it holds, its compute stretch and its :func:`measure_collective_in_step`;
+    ``compute_stretch`` and ``collective_in_step_s`` are the means of the sweeps'.
 
     >>> one = {"measured_at": "t1", "samples": [["all_reduce", "SHM", 2, 8, 1.0]],
     ...        "compute_stretch": {"2": 1.2}, "world_size": 2}
@@ -406,7 +474,8 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     'it measured world_size 2, this sweep 4'
     """
     this = {"measured_at": new.get("measured_at"), "points": len(new["samples"]),
-            "compute_stretch": new.get("compute_stretch") or {}, "sweep_seconds": new.get("sweep_seconds")}
+            "compute_stretch": new.get("compute_stretch") or {}, "sweep_seconds": new.get("sweep_seconds"),
+            "collective_in_step_s": new.get("collective_in_step_s")}
     alone = {**new, "sweeps": [this]}
     if keep < 2 or old is None:
         return alone, None
@@ -416,7 +485,8 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     rows = old["samples"]
     sweeps = old.get("sweeps") or [{"measured_at": old.get("measured_at"), "points": len(rows),
                                     "compute_stretch": old.get("compute_stretch") or {},
-                                    "sweep_seconds": old.get("sweep_seconds")}]
+                                    "sweep_seconds": old.get("sweep_seconds"),
+                                    "collective_in_step_s": old.get("collective_in_step_s")}]
     starts = [0]
     for sw in sweeps:
         starts.append(starts[-1] + sw["points"])
@@ -428,7 +498,13 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
         values = [float(sw["compute_stretch"][n]) for sw in kept
                   if isinstance((sw.get("compute_stretch") or {}).get(n), int | float)]
         stretch[n] = statistics.fmean(values)
-    return {**new, "samples": rows, "sweeps": kept, "compute_stretch": stretch}, None
+    in_step = [float(sw["collective_in_step_s"]) for sw in kept if _finite(sw.get("collective_in_step_s"))]
+    return {**new, "samples": rows, "sweeps": kept, "compute_stretch": stretch,
+            "collective_in_step_s": statistics.fmean(in_step) if in_step else None}, None
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _unpoolable(old: Any, new: dict[str, Any]) -> str | None:
@@ -564,7 +640,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             raise CalibrationError(f"a world of {len(hosts)} rank(s) has no group of 2 or more to measure")
         samples = _sweep_with_progress(cfg, groups, device, show=me == 0 and not args.no_progress)
         # ranks sharing a host's cores (CPU): how much their concurrent compute stretches
-        stretch = measure_compute_stretch([r for r, h in enumerate(hosts) if h == hosts[0]]) if device == "cpu" else {}
+        local = [r for r, h in enumerate(hosts) if h == hosts[0]]
+        stretch = measure_compute_stretch(local) if device == "cpu" else {}
+        in_step = measure_collective_in_step(local) if device == "cpu" and len(local) >= 2 else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
         rank_cpus: list[Any] = [None] * dist.get_world_size()
@@ -579,6 +657,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "link_source": link_source, "sizes_bytes": cfg.sizes(), "collectives": [k.value for k in cfg.collectives],
             "max_repeats": cfg.max_repeats, "torch": torch.__version__, "statistic": STATISTIC,
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
+            "collective_in_step_s": in_step,
             "rank_cpus": rank_cpus,
             "measured_at": time.strftime(MEASURED_AT, time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],

@@ -126,6 +126,12 @@ class Cluster:
     misses, ranks reaching a collective at different times, and on more ranks than cores their
     taking turns; where set it prices compute and host work instead of :attr:`core_share`
     (:attr:`compute_share`). None: not measured (GPU presets; a profile from before it)."""
+    collective_in_step_s: float = 0.0
+    """Measured where collectives run on the computing cores (``local``): how much longer a
+    collective takes between compute, as in a step, than back to back, as the calibration
+    sweep times it (:func:`topomesh.cost.calibrate.measure_collective_in_step`: gloo's threads
+    sleep while the ranks compute and waking them is not free); added to every collective and
+    pipeline hand-off. 0: not measured (GPU presets; a profile from before it)."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
@@ -366,12 +372,15 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     fsdp_reduce, fsdp_gather = fsdp_host_s(directory=directory)
     stretch = prof.meta.get("compute_stretch")
     stretch = stretch.get(str(n)) if isinstance(stretch, dict) and n > 1 else None
+    in_step = prof.meta.get("collective_in_step_s")
+    in_step = float(in_step) if isinstance(in_step, int | float) and abs(in_step) <= 0.1 else 0.0
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
                    collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory),
                    dtensor_collective_s=dtensor_collective_s(directory=directory),
                    fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
-                   compute_stretch=float(stretch) if isinstance(stretch, int | float) and 1 <= stretch <= 1e3 else None)
+                   compute_stretch=float(stretch) if isinstance(stretch, int | float) and 1 <= stretch <= 1e3 else None,
+                   collective_in_step_s=in_step if n > 1 else 0.0)
 
 
 # ------------------------------------------------------------------ topology files

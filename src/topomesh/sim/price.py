@@ -17,7 +17,8 @@ a :class:`Work`:
 
 On a cluster whose collectives run on the compute cores (gloo on CPU,
 :attr:`~topomesh.cost.cluster.Cluster.collectives_share_compute`) nothing overlaps: every
-collective is ``blocking``. Where ranks share cores, op times and host work are stretched by
+collective is ``blocking`` and pays what a collective costs more between compute than back to
+back (:attr:`~topomesh.cost.cluster.Cluster.collective_in_step_s`). Where ranks share cores, op times and host work are stretched by
 :attr:`~topomesh.cost.cluster.Cluster.compute_share` (the measured stretch of the ranks' concurrent
 compute, which includes their arriving at a collective at different times) and such collectives by
 :attr:`~topomesh.cost.cluster.Cluster.core_share`.
@@ -197,7 +198,8 @@ class Pricer:
         link = self.link_of(rec.mesh_axis or "")
         seconds = group_collective_time_s(rec, link, self.cluster.profile)
         if self.cluster.collectives_share_compute:
-            seconds *= self.cluster.core_share  # CPU work on the shared cores, like the ops
+            # CPU work on the shared cores, like the ops; and gloo's threads woken after compute
+            seconds = max(0.0, seconds * self.cluster.core_share + self.cluster.collective_in_step_s)
         return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds,
                     role=param_role(rec))
 

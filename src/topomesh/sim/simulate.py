@@ -359,7 +359,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
 
         p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
         if cluster.collectives_share_compute:
-            p2p_s *= cluster.core_share
+            p2p_s = max(0.0, p2p_s * cluster.core_share + cluster.collective_in_step_s)
     # a pipeline on shared cores: its ranks are not all busy at once (topomesh.sim.shared)
     shared = pp > 1 and cluster.cores is not None
     if record or shared:  # the Python engine, on plans priced on this layout's links
