@@ -80,6 +80,11 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
         assert 0 < small < large
     # two processes computing at once on this host: measured, a sane multiple of one alone
     assert set(prof.meta["compute_stretch"]) == {"2"} and 0.5 < prof.meta["compute_stretch"]["2"] < 5
+    # and what a collective costs more after compute than back to back: a few ms at most, either way
+    from topomesh.cost.calibrate import IN_STEP_GAPS_S
+
+    in_step = prof.meta["collective_in_step_s"]
+    assert set(in_step) == {str(g) for g in IN_STEP_GAPS_S} and all(abs(v) < 0.02 for v in in_step.values())
 
 
 @pytest.mark.slow
@@ -166,6 +171,40 @@ def test_the_stretch_is_measured_for_every_power_of_two_and_the_host(monkeypatch
     assert gathered == [len(ranks)] * len(counts) * len(calibrate.STRETCH_SEGMENTS_S)
 
 
+@pytest.mark.parametrize("me", [0, 1, 2])
+def test_a_collective_after_compute_costs_the_loop_less_the_compute_and_the_collective(monkeypatch, me):
+    """Faked clocks: the collective takes 1.0 ms between barriers; a repeat of [collective, chain
+    of g] takes 2.4 ms more than the chain alone after 0.5 ms of compute and 1.0 + g / 4 ms more
+    after the others: by hand 2.4 - 1.0 = 1.4 ms, then g / 4, at every point; rank 2 is not in
+    the measured pair and gets None."""
+    import torch.distributed as dist
+
+    from topomesh.cost import calibrate
+    from topomesh.layout import groups as tm_groups
+
+    monkeypatch.setattr(dist, "get_rank", lambda: me)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: t.fill_(1e-4) if t.numel() else None)
+    monkeypatch.setattr(tm_groups, "new_group", lambda ranks: None)
+    monkeypatch.setattr(calibrate, "_matmul_chain", lambda: lambda k: None)
+    monkeypatch.setattr(calibrate, "_buffers", lambda kind, nbytes, n, device: (None, None))
+    monkeypatch.setattr(calibrate, "_op", lambda kind, inp, out, pg, ranks, me: lambda: None)
+    monkeypatch.setattr(calibrate, "_time_once", lambda fn, group, device: 1.0e-3)
+
+    def loop_s(fn, chain, k, repeats, pg):  # noqa: ANN001, ANN202 - k chains of 0.1 ms: g = k x 0.1 ms
+        gap = k * 1e-4
+        alone = 7e-3  # whatever the chain alone takes: it is taken off
+        more = 2.4e-3 if abs(gap - 5e-4) < 1e-9 else 1e-3 + gap / 4
+        return alone if fn is None else alone + more
+
+    monkeypatch.setattr(calibrate, "_loop_s", loop_s)
+    got = calibrate.measure_collective_in_step([0, 1, 2])
+    if me:
+        assert got is None
+        return
+    assert got == {"0.0005": pytest.approx(1.4e-3), "0.002": pytest.approx(0.5e-3), "0.008": pytest.approx(2e-3)}
+
+
 @pytest.mark.timeout(30)
 def test_rank_zero_refuses_a_shared_cache_before_joining_the_sweep(tmp_path, monkeypatch):
     # under torchrun (no `topomesh calibrate` CLI in front), rank 0 checks where it will save
@@ -212,6 +251,13 @@ def test_pooling_keeps_the_newest_sweeps_rows_in_order_and_averages_their_stretc
     assert [r[4] for r in saved["samples"]] == [3.0, 4.0, 5.0]
     assert saved["compute_stretch"] == {"2": pytest.approx((1.2 + 1.6) / 2)}
     assert saved["measured_at"] == "t3"
+    # what a collective costs more between compute: the mean of the sweeps that measured it
+    saved, _ = pool_sweeps(saved, {**_sweep_meta("t4", [6.0], 1.2), "collective_in_step_s": {"0.002": 4e-4}}, keep=3)
+    saved, _ = pool_sweeps(saved, {**_sweep_meta("t5", [7.0], 1.2),
+                                   "collective_in_step_s": {"0.002": 2e-4, "0.008": 1e-3}}, keep=3)
+    assert saved["collective_in_step_s"] == {"0.002": pytest.approx(3e-4), "0.008": 1e-3}  # t3 measured none
+    saved, _ = pool_sweeps(saved, _sweep_meta("t6", [8.0], 1.2), keep=1)
+    assert saved.get("collective_in_step_s") is None
     # a profile from before pooling (no "sweeps") counts as one sweep
     old = _sweep_meta("t0", [9.0], 1.0)
     got, why = pool_sweeps(old, _sweep_meta("t1", [1.0], 1.4), keep=4)

@@ -263,6 +263,20 @@ def test_local_takes_the_compute_stretch_measured_for_its_rank_count(tmp_path, m
     assert load_cluster("local", gpus=1).compute_stretch is None  # one rank waits for no one
 
 
+@pytest.mark.parametrize("saved, taken", [
+    ({"0.008": 1.5e-3, "0.0005": 2e-4}, ((0.0005, 2e-4), (0.008, 1.5e-3))),  # sorted by compute
+    ({"0.002": -1e-4, "0.008": 3.0, "slow": 1e-3, "2.0": 1e-3}, ((0.002, -1e-4),)),  # 3 s, no gap, 2 s: dropped
+    (4.5e-4, ()), (None, ()),  # not the measured shape
+])
+def test_local_takes_the_collectives_cost_after_compute_where_it_is_sane(tmp_path, monkeypatch, saved, taken):
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
+    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
+                   collective_in_step_s=saved)
+    assert load_cluster("local", gpus=2).collective_in_step_s == taken
+    assert load_cluster("local", gpus=1).collective_in_step_s == ()  # one rank issues no collective
+
+
 def test_axis_link_sees_a_last_group_that_crosses_hosts():
     # ranks 6, 7 on host 1 and 14, 15 on host 0: with rank-order placement and tp=4 the
     # first tp group [0..3] stays on host 0 but the last one [12..15] spans both hosts.

@@ -79,6 +79,65 @@ def test_collectives_on_the_compute_cores_never_overlap(model):
     assert sum(overlapped.breakdown.exposed_comm_s.values()) < expected  # FSDP prefetch hides some on GPUs
 
 
+@pytest.mark.parametrize("degrees", [{"dp_shard": 2}, {"tp": 2}, {"tp": 2, "dp_shard": 2}])
+def test_the_compute_before_each_collective_adds_up_to_the_piece(model, degrees):
+    """On the compute cores every piece's collectives are blocking, each with the compute before
+    it: together they are the piece's compute (the tail wraps to the first), one per collective."""
+    from topomesh.sim.price import PIECES, SymbolicPricer, memo_digest
+
+    cpu_like = dataclasses.replace(load_cluster("dgx-h100", gpus=4), collectives_share_compute=True)
+    sim = Simulator(model=model, cluster=cpu_like)
+    digest = memo_digest(sim.trace(Layout(**degrees), Training(global_batch=4)), SymbolicPricer(cpu_like, {}))
+    seen = 0
+    for name in PIECES:
+        piece = getattr(digest, name)
+        assert len(piece.blocking_gaps) == len(piece.blocking)
+        if piece.blocking:
+            seen += 1
+            assert sum(piece.blocking_gaps) == pytest.approx(piece.compute_s, rel=1e-12), name
+            assert min(piece.blocking_gaps) >= 0
+    assert seen >= 2
+    gpu = load_cluster("dgx-h100", gpus=4)  # beside the compute (GPUs): no gaps kept
+    assert all(not getattr(memo_digest(sim.trace(Layout(**degrees), Training(global_batch=4)),
+                                       SymbolicPricer(gpu, {})), name).blocking_gaps for name in PIECES)
+
+
+@pytest.mark.parametrize("degrees", [{"dp_shard": 2}, {"tp": 2}])
+def test_each_collective_on_the_compute_cores_pays_its_cost_after_compute(model, degrees):
+    """With the same measured cost after any compute (a point at 1e-12 s: the curve is flat
+    beyond it), a step pays it once per collective that follows some compute: more than
+    nothing, at most once per collective of the trace; on GPUs not at all."""
+    cpu_like = dataclasses.replace(load_cluster("dgx-h100", gpus=2), collectives_share_compute=True)
+    layout, training = Layout(**degrees), Training(global_batch=2)
+    sim = Simulator(model=model, cluster=cpu_like)
+    a = sim.simulate(layout, training)
+    paying = dataclasses.replace(cpu_like, collective_in_step_s=((1e-12, 5e-4),))
+    b = Simulator(model=model, cluster=paying).simulate(layout, training)
+    trace = sim.trace(layout, training)
+    full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+    count = sum(1 for e in full.events() if isinstance(e, CollectiveRecord) and e.group_size > 1)
+    added = sum(b.breakdown.exposed_comm_s.values()) - sum(a.breakdown.exposed_comm_s.values())
+    micro = training.global_batch // (training.micro_batch * layout.world_size // layout.degree(Axis.TP))
+    assert 5e-4 <= added <= 5e-4 * count * micro + 1e-12  # the trace is one micro-batch
+    assert added / 5e-4 == pytest.approx(round(added / 5e-4), abs=1e-6)  # whole collectives
+    assert b.breakdown.compute_s == pytest.approx(a.breakdown.compute_s, rel=1e-12)
+    gpu = load_cluster("dgx-h100", gpus=2)
+    c = Simulator(model=model, cluster=dataclasses.replace(gpu, collective_in_step_s=((1e-12, 5e-4),))).simulate(
+        layout, training)
+    assert c.step_time_s == pytest.approx(Simulator(model=model, cluster=gpu).simulate(layout, training).step_time_s)
+
+
+def test_a_pipeline_hand_off_on_the_compute_cores_pays_it_too(model):
+    cpu_like = dataclasses.replace(load_cluster("dgx-h100", gpus=2), collectives_share_compute=True)
+    layout, training = Layout(pp=2), Training(global_batch=4)
+    a = Simulator(model=model, cluster=cpu_like).simulate(layout, training)
+    paying = dataclasses.replace(cpu_like, collective_in_step_s=((0.001, 1e-4), (0.002, 5e-4)))
+    b = Simulator(model=model, cluster=paying).simulate(layout, training)
+    # a hand-off follows a stage's micro-batch: the longest compute measured, 0.5 ms; 1F1B over 4
+    # micro-batches pays at least the first forward's and the last backward's, at most all 8
+    assert 2 * 5e-4 - 1e-9 <= b.step_time_s - a.step_time_s <= 8 * 5e-4 + 1e-9
+
+
 def _ops(sim, layout, training, model):
     from topomesh.cost.ops import profilable
     from topomesh.trace.graph import OpRecord, Phase

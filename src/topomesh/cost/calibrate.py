@@ -364,29 +364,30 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> d
     return {str(n): statistics.fmean(r) for n, r in ratios.items()} if me == lead else {}
 
 
-IN_STEP_COMPUTE_S = 0.002
-"""The compute between two collectives :func:`measure_collective_in_step` runs: a tensor-parallel
-block's piece here (1-3 ms, :data:`STRETCH_SEGMENTS_S`)."""
+IN_STEP_GAPS_S = (0.0005, 0.002, 0.008)
+"""Compute between two collectives :func:`measure_collective_in_step` runs: from a
+tensor-parallel block's pieces (0.5-3 ms here) to an FSDP2 unit's (5-10 ms)."""
 IN_STEP_POINTS = ((CollectiveKind.ALL_GATHER, 128 * KiB), (CollectiveKind.REDUCE_SCATTER, 128 * KiB),
-                  (CollectiveKind.ALL_REDUCE, 256 * KiB), (CollectiveKind.ALL_REDUCE, 8 * KiB))
+                  (CollectiveKind.ALL_REDUCE, 256 * KiB))
 """(collective, bytes of the full buffer) :func:`measure_collective_in_step` times: a small
-transformer's activations (128-256 KiB) and a small all-reduce."""
+transformer's activations (128-256 KiB)."""
 
 
-def measure_collective_in_step(ranks: Sequence[int], *, repeats: int = 200) -> float | None:
-    """How much longer a collective of ``ranks`` (two ranks of one host, CPU) takes between
-    compute, as in a step, than back to back between barriers, as the sweep times it: the
-    mean over :data:`IN_STEP_POINTS` (call on every rank of the world).
+def measure_collective_in_step(ranks: Sequence[int], *, budget_s: float = 0.25) -> dict[str, float] | None:
+    """How much longer a collective of two ranks of one host (CPU) takes after ``gap`` seconds
+    of compute, as in a step, than back to back between barriers, as the sweep times it: per
+    gap in :data:`IN_STEP_GAPS_S`, the mean over :data:`IN_STEP_POINTS` (call on every rank
+    of the world; ``ranks`` are one host's).
 
-    Gloo's threads sleep while the ranks compute, and waking them on a busy host is not free.
-    Per point, both ranks run ``repeats`` times [collective, then a matmul chain of
-    :data:`IN_STEP_COMPUTE_S`], and the chain alone as often; the difference per repeat, less
-    the collective's mean between barriers, is what the step pays more. Two gloo ranks here
-    (2026-11-26, three runs of 200-300 repeats): an all-gather of 128 KiB 0.70-0.92 ms between
-    barriers and 1.31-1.64 ms between 2 ms chains, an all-reduce of 256 KiB 1.94-2.20 and
-    2.27-2.58 ms, of 8 KiB 1.59-1.82 and 1.82-2.07 ms; the mean over the four points +0.25 to
-    +0.61 ms. Between 0.5 ms chains the difference was within the noise either way.
-    Returns the seconds on ``ranks[0]``, None on the others."""
+    Per point and gap, both ranks run [collective, then a matmul chain of ``gap`` seconds] and
+    the chain alone as often (about ``budget_s`` each); the difference per repeat, less the
+    collective's mean between barriers, is what the step pays more. Two gloo ranks here
+    (2026-11-26, two runs of 150 repeats): an all-gather of 128 KiB took 0.72-0.74 ms back to
+    back and, after 0.25 / 0.5 / 1 / 2 / 4 / 8 ms of compute, 0.08 / 0.40-0.54 / 0.26-0.52 /
+    0.52-0.59 / 1.07-1.40 / 1.25-2.08 ms more; an all-reduce of 256 KiB -0.31…-0.91 (less) at
+    0.25 ms and +1.07…+2.13 at 8 ms. The compute after a collective is not what slows (a 2 or
+    8 ms chain after one took 0.0-0.2 ms longer than after a barrier): the collective is, once
+    the ranks have computed a while. Returns ``{"gap": seconds}`` on ``ranks[0]``, None on the others."""
     import torch
     import torch.distributed as dist
 
@@ -394,7 +395,7 @@ def measure_collective_in_step(ranks: Sequence[int], *, repeats: int = 200) -> f
 
     me, team = dist.get_rank(), tuple(ranks[:2])
     pg = tm_groups.new_group(team)
-    extra: list[float] = []
+    extra: dict[float, list[float]] = {gap: [] for gap in IN_STEP_GAPS_S}
     if me in team:
         chain = _matmul_chain()
         chain(50)
@@ -404,17 +405,19 @@ def measure_collective_in_step(ranks: Sequence[int], *, repeats: int = 200) -> f
             chain(400)
             per[0] = (time.perf_counter() - t0) / 400
         dist.broadcast(per, src=team[0], group=pg)
-        k = max(1, round(IN_STEP_COMPUTE_S / max(float(per[0]), 1e-7)))
         for kind, nbytes in IN_STEP_POINTS:
             inp, out = _buffers(kind, nbytes, 2, "cpu")
             fn = _op(kind, inp, out, pg, team, me)
             for _ in range(3):
                 fn()
-            between = statistics.fmean(_time_once(fn, pg, "cpu") for _ in range(repeats))
-            alone = _loop_s(None, chain, k, repeats, pg)
-            extra.append(_loop_s(fn, chain, k, repeats, pg) - alone - between)
+            between = statistics.fmean(_time_once(fn, pg, "cpu") for _ in range(100))
+            for gap in IN_STEP_GAPS_S:
+                k = max(1, round(gap / max(float(per[0]), 1e-7)))
+                repeats = max(20, round(budget_s / (gap + between)))
+                alone = _loop_s(None, chain, k, repeats, pg)
+                extra[gap].append(_loop_s(fn, chain, k, repeats, pg) - alone - between)
     dist.barrier()
-    return statistics.fmean(extra) if me == team[0] else None
+    return {str(gap): statistics.fmean(v) for gap, v in extra.items()} if me == team[0] else None
 
 
 def _loop_s(fn: Callable[[], None] | None, chain: Callable[[int], None], k: int, repeats: int, pg: Any) -> float:
@@ -493,18 +496,22 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     kept = sweeps[-(keep - 1):]
     rows = rows[starts[len(sweeps) - len(kept)]:] + list(new["samples"])
     kept = [*kept, this]
-    stretch: dict[str, float] = {}
-    for n in this["compute_stretch"]:
-        values = [float(sw["compute_stretch"][n]) for sw in kept
-                  if isinstance((sw.get("compute_stretch") or {}).get(n), int | float)]
-        stretch[n] = statistics.fmean(values)
-    in_step = [float(sw["collective_in_step_s"]) for sw in kept if _finite(sw.get("collective_in_step_s"))]
-    return {**new, "samples": rows, "sweeps": kept, "compute_stretch": stretch,
-            "collective_in_step_s": statistics.fmean(in_step) if in_step else None}, None
+    return {**new, "samples": rows, "sweeps": kept, "compute_stretch": _mean_per_key([sw.get("compute_stretch") for sw in kept]),
+            "collective_in_step_s": _mean_per_key([sw.get("collective_in_step_s") for sw in kept]) or None}, None
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+def _mean_per_key(dicts: Sequence[Any]) -> dict[str, float]:
+    """Per key, the mean of the finite numbers the ``dicts`` hold for it (other entries skipped).
+
+    >>> _mean_per_key([{"a": 1.0, "b": 2.0}, None, {"a": 3.0, "b": "x"}])
+    {'a': 2.0, 'b': 2.0}
+    """
+    values: dict[str, list[float]] = {}
+    for d in dicts:
+        for key, v in (d.items() if isinstance(d, dict) else ()):
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                values.setdefault(str(key), []).append(float(v))
+    return {key: statistics.fmean(v) for key, v in values.items()}
 
 
 def _unpoolable(old: Any, new: dict[str, Any]) -> str | None:

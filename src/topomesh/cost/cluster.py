@@ -126,12 +126,12 @@ class Cluster:
     misses, ranks reaching a collective at different times, and on more ranks than cores their
     taking turns; where set it prices compute and host work instead of :attr:`core_share`
     (:attr:`compute_share`). None: not measured (GPU presets; a profile from before it)."""
-    collective_in_step_s: float = 0.0
-    """Measured where collectives run on the computing cores (``local``): how much longer a
-    collective takes between compute, as in a step, than back to back, as the calibration
-    sweep times it (:func:`topomesh.cost.calibrate.measure_collective_in_step`: gloo's threads
-    sleep while the ranks compute and waking them is not free); added to every collective and
-    pipeline hand-off. 0: not measured (GPU presets; a profile from before it)."""
+    collective_in_step_s: tuple[tuple[float, float], ...] = ()
+    """Measured where collectives run on the computing cores (``local``): (seconds of compute
+    before a collective, how much longer it then takes than back to back, as the calibration
+    sweep times it), by compute (:func:`topomesh.cost.calibrate.measure_collective_in_step`);
+    priced per collective by :meth:`in_step_extra_s`. Empty: not measured (GPU presets; a
+    profile from before it)."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
@@ -194,6 +194,24 @@ class Cluster:
         if self.cores is None:
             return 1.0
         return max(1.0, ranks * self.threads_per_rank / self.cores)
+
+    def in_step_extra_s(self, gap_s: float) -> float:
+        """What a collective costs more after ``gap_s`` seconds of compute than back to back:
+        linear between the measured :attr:`collective_in_step_s` points and (0, 0), the last
+        point's beyond it; 0 where nothing was measured.
+
+        >>> import dataclasses
+        >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=2),
+        ...                         collective_in_step_s=((0.001, 2e-4), (0.004, 8e-4)))
+        >>> [round(c.in_step_extra_s(g) * 1e6) for g in (0.0, 0.0005, 0.0025, 0.004, 1.0)]
+        [0, 100, 500, 800, 800]
+        """
+        points = self.collective_in_step_s
+        if not points:
+            return 0.0
+        gaps = [0.0, *(g for g, _ in points)]
+        extra = [0.0, *(x for _, x in points)]
+        return float(np.interp(gap_s, gaps, extra))
 
     @property
     def nodes(self) -> int:
@@ -347,6 +365,24 @@ def local_profile(directory: Path | None = None, hostname: str | None = None) ->
     return prof, path
 
 
+def _in_step_points(raw: Any) -> tuple[tuple[float, float], ...]:
+    """``meta.collective_in_step_s`` (``{"gap seconds": extra seconds}``) as sorted points; a
+    point that is not a gap in (0, 1] s with an extra under 0.1 s either way is dropped.
+
+    >>> _in_step_points({"0.008": 1e-3, "0.0005": 1e-4, "x": 1.0, "0.002": "slow", "0.004": 5.0})
+    ((0.0005, 0.0001), (0.008, 0.001))
+    """
+    points = []
+    for key, extra in (raw.items() if isinstance(raw, dict) else ()):
+        try:
+            gap = float(key)
+        except ValueError:
+            continue
+        if 0 < gap <= 1 and isinstance(extra, int | float) and not isinstance(extra, bool) and abs(extra) < 0.1:
+            points.append((gap, float(extra)))
+    return tuple(sorted(points))
+
+
 def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> Cluster:
     """This machine: ``gpus`` CPU processes on one host (default: as many as the calibration
     measured), the measured CPU spec, the calibrated gloo profile (:func:`local_profile`).
@@ -372,15 +408,14 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     fsdp_reduce, fsdp_gather = fsdp_host_s(directory=directory)
     stretch = prof.meta.get("compute_stretch")
     stretch = stretch.get(str(n)) if isinstance(stretch, dict) and n > 1 else None
-    in_step = prof.meta.get("collective_in_step_s")
-    in_step = float(in_step) if isinstance(in_step, int | float) and abs(in_step) <= 0.1 else 0.0
+    in_step = _in_step_points(prof.meta.get("collective_in_step_s"))
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
                    collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory),
                    dtensor_collective_s=dtensor_collective_s(directory=directory),
                    fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
                    compute_stretch=float(stretch) if isinstance(stretch, int | float) and 1 <= stretch <= 1e3 else None,
-                   collective_in_step_s=in_step if n > 1 else 0.0)
+                   collective_in_step_s=in_step if n > 1 else ())
 
 
 # ------------------------------------------------------------------ topology files

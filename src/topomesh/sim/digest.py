@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from topomesh.trace import codec
 from topomesh.trace.cache import load_document, write_document
 from topomesh.trace.graph import CollectiveRecord
 
-DIGEST_FORMAT = 1
+DIGEST_FORMAT = 2
 """Part of every digest key and file; raised when :class:`ClassDigest` changes shape."""
 FILE_FORMAT = "topomesh-digest"
 MAX_RECORDS = 1_000_000
@@ -133,6 +134,9 @@ def digest_from_json(raw: Any, where: str = "$") -> ClassDigest:
             picked[field] = tuple(table[k] for k in idx)
         decoded[name] = dataclasses.replace(codec.from_json(Digest, {**p, **dict.fromkeys(_LISTS, [])}, path),
                                             **picked)
+        gaps = decoded[name].blocking_gaps
+        if gaps and (len(gaps) != len(picked["blocking"]) or not all(math.isfinite(g) and g >= 0 for g in gaps)):
+            raise TraceError(f"{path}.blocking_gaps: expected a finite, non-negative time per blocking record")
     empty = codec.to_json(_EMPTY)
     d = codec.from_json(ClassDigest, {**rest, **dict.fromkeys(PIECES, empty)}, f"{where}.digest")
     if d.traced_layers < 1:

@@ -194,12 +194,14 @@ class Pricer:
             hit = self._ops[rec] = (cost.seconds, cost.measured)
         return hit[0] * self.cluster.compute_share, hit[1]
 
-    def comm(self, rec: CollectiveRecord) -> Comm:
+    def comm(self, rec: CollectiveRecord, gap_s: float = 0.0) -> Comm:
+        """``rec`` priced on its link; on the compute cores (gloo), after ``gap_s`` seconds of
+        compute (:meth:`~topomesh.cost.cluster.Cluster.in_step_extra_s`)."""
         link = self.link_of(rec.mesh_axis or "")
         seconds = group_collective_time_s(rec, link, self.cluster.profile)
         if self.cluster.collectives_share_compute:
-            # CPU work on the shared cores, like the ops; and gloo's threads woken after compute
-            seconds = max(0.0, seconds * self.cluster.core_share + self.cluster.collective_in_step_s)
+            # CPU work on the shared cores, like the ops; and what it costs more after compute
+            seconds = max(0.0, seconds * self.cluster.core_share + self.cluster.in_step_extra_s(gap_s))
         return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds,
                     role=param_role(rec))
 
@@ -220,6 +222,8 @@ class Pricer:
         reduce: list[CollectiveRecord] = []
         shared = self.cluster.collectives_share_compute
         host = any((self.cluster.dtensor_collective_s, self.cluster.fsdp_reduce_s, self.cluster.fsdp_gather_s))
+        gaps: list[float] = []  # shared: the compute before each blocking collective, in order
+        since = 0.0
         seen: dict[int, tuple[float, bool, bool] | None] = {}  # per record object: traces repeat them
         for seg in segments:
             saved += seg.saved_bytes
@@ -243,17 +247,22 @@ class Pricer:
                     else:
                         roofline += 1
                     compute += s
+                    since += s
                     flops += e.flops
                     if matmul_grad:
                         weight += s / 2
                 elif e.group_size > 1:
                     if host:
-                        compute += self._host_s(e)
+                        h = self._host_s(e)
+                        compute += h
+                        since += h
                     role = param_role(e)
                     gathered += e.bytes if role == "gather" else 0
                     reduced += e.bytes if role == "reduce" else 0
                     if shared or not role:
                         blocking.append(e)  # shared: no overlap, the compute cores run it
+                        gaps.append(since)
+                        since = 0.0
                     else:
                         (gather if role == "gather" else reduce).append(e)
         extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]
@@ -261,10 +270,12 @@ class Pricer:
             compute += sum(self._host_s(e) for e in extra)  # prefetched here
         (blocking if shared else gather).extend(extra)
         gathered += sum(e.bytes for e in extra)
+        gaps = _wrapped_gaps(gaps, since, len(extra)) if shared else []
         # parameters a piece makes without gathering them: FSDP2's replicate-only units cast
         # theirs to the compute dtype in each pre-forward and pre-backward (no all-gather)
         gathered = gathered or made
-        return Digest(compute_s=compute, blocking=tuple(blocking), gather=tuple(gather), reduce=tuple(reduce),
+        return Digest(compute_s=compute, blocking=tuple(blocking), blocking_gaps=tuple(gaps), gather=tuple(gather),
+                      reduce=tuple(reduce),
                       flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
                       gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline)
 
@@ -294,7 +305,8 @@ class Pricer:
 
     def priced(self, d: Digest) -> Work:
         """``d`` with its collectives priced on their links."""
-        return Work(compute_s=d.compute_s, blocking=tuple(self.comm(e) for e in d.blocking),
+        gaps = d.blocking_gaps or (0.0,) * len(d.blocking)
+        return Work(compute_s=d.compute_s, blocking=tuple(self.comm(e, g) for e, g in zip(d.blocking, gaps, strict=True)),
                     gather=tuple(self.comm(e) for e in d.gather), reduce=tuple(self.comm(e) for e in d.reduce),
                     flops=d.flops, weight_grad_s=d.weight_grad_s, saved_bytes=d.saved_bytes,
                     peak_output_bytes=d.peak_output_bytes, gather_bytes=d.gather_bytes, reduce_bytes=d.reduce_bytes)
@@ -306,14 +318,19 @@ class SymbolicPricer(Pricer):
 
     def __init__(self, cluster: Cluster, table: Mapping, op_cache: dict | None = None) -> None:
         super().__init__(cluster, lambda name: None, table, op_cache)  # type: ignore[arg-type, return-value]
-        self.index: dict[CollectiveRecord, int] = {}
+        self.index: dict[tuple[CollectiveRecord, float], int] = {}
 
     @property
     def records(self) -> list[CollectiveRecord]:
-        return list(self.index)
+        return [rec for rec, _ in self.index]
 
-    def comm(self, rec: CollectiveRecord) -> Comm:
-        i = self.index.setdefault(rec, len(self.index))
+    @property
+    def gaps(self) -> list[float]:
+        """The compute before each of :attr:`records` (:meth:`Pricer.comm`'s ``gap_s``)."""
+        return [gap for _, gap in self.index]
+
+    def comm(self, rec: CollectiveRecord, gap_s: float = 0.0) -> Comm:
+        i = self.index.setdefault((rec, gap_s), len(self.index))
         return Comm(axis=f"#{i}", stream=Stream.INTRA, seconds=1.0, role=param_role(rec))
 
 
@@ -335,6 +352,26 @@ class Digest:
     """Op records of the piece priced from the op table (every occurrence counted)."""
     roofline: int
     """Op records of the piece priced by the roofline."""
+    blocking_gaps: tuple[float, ...] = ()
+    """Where collectives run on the compute cores: the seconds of compute before each of
+    ``blocking`` (:func:`_wrapped_gaps`); empty otherwise."""
+
+
+def _wrapped_gaps(gaps: list[float], tail: float, prefetched: int) -> list[float]:
+    """The compute before each blocking collective of a piece, in the order :meth:`Pricer.digest`
+    lists them: its own collectives (``gaps``: the compute since the piece began or since the
+    one before), then ``prefetched`` gathers issued when the piece begins. A piece repeats (a
+    block) or follows one much like it, so what comes before its first collective is taken as
+    its own compute after its last one (``tail``): the prefetched gathers follow that, back to
+    back, and then the first own collective follows only its head; without them the first
+    follows tail and head.
+
+    >>> _wrapped_gaps([1.0, 2.0], 0.5, 0), _wrapped_gaps([1.0, 2.0], 0.5, 2), _wrapped_gaps([], 3.0, 1)
+    ([1.5, 2.0], [1.0, 2.0, 0.5, 0.0], [3.0])
+    """
+    if prefetched:
+        return [*gaps, tail, *(0.0,) * (prefetched - 1)]
+    return [gaps[0] + tail, *gaps[1:]] if gaps else []
 
 
 def _split(segments: Iterable[Segment], phase: Phase) -> tuple[list[Segment], list[Segment], list[Segment]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -348,9 +349,10 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         sym = SymbolicPricer(cluster, table or {}, memo.ops)
         sym_priced = price_digest(digest, sym)
         sym_plans = [_stage_plan(sym_priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
-        hit = memo.templates[tpl_key] = (digest, kernel.template(sym_plans, sym.records, (sym_priced, sym_plans)))
+        hit = memo.templates[tpl_key] = (digest, kernel.template(sym_plans, sym.records,
+                                                                 (sym_priced, sym_plans, tuple(sym.gaps))))
     tpl = hit[1]
-    sym_priced, sym_plans = tpl.extra
+    sym_priced, sym_plans, sym_gaps = tpl.extra
     p2p_s = 0.0
     if pp > 1:
         rec = CollectiveRecord(kind=CollectiveKind.SEND_RECV, bytes=sym_priced.boundary_bytes, group_size=2,
@@ -358,8 +360,8 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         from topomesh.cost.cluster import group_collective_time_s
 
         p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
-        if cluster.collectives_share_compute:
-            p2p_s = max(0.0, p2p_s * cluster.core_share + cluster.collective_in_step_s)
+        if cluster.collectives_share_compute:  # a hand-off follows a stage's micro-batch: long compute
+            p2p_s = max(0.0, p2p_s * cluster.core_share + cluster.in_step_extra_s(math.inf))
     # a pipeline on shared cores: its ranks are not all busy at once (topomesh.sim.shared)
     shared = pp > 1 and cluster.cores is not None
     if record or shared:  # the Python engine, on plans priced on this layout's links
@@ -382,11 +384,11 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     else:
         pricer = Pricer(cluster, link_of, table or {}, memo.ops)
         secs, streams = [], []
-        for r in tpl.records:
-            key = (r, link_of(r.mesh_axis or ""))
+        for r, gap in zip(tpl.records, sym_gaps, strict=True):
+            key = (r, gap, link_of(r.mesh_axis or ""))
             c = memo.comms.get(key)
             if c is None:
-                c = memo.comms[key] = pricer.comm(r)
+                c = memo.comms[key] = pricer.comm(r, gap)
             secs.append(c.seconds)
             streams.append(0 if c.stream is Stream.INTRA else 1)
         run = kernel.run_template(tpl, np.array(secs, dtype=np.float64), np.array(streams, dtype=np.int64),
