@@ -7,9 +7,11 @@ Examples::
     topomesh validate --model tiny-llama --seq-len 256 --layouts dp_shard=2 --layouts tp=2 --json
     topomesh validate --model benchmarks/validate_llama.json --png validate.png
 
-Calibrates what it needs once (the gloo collective profile with ``topomesh calibrate``,
-the ops of the layouts' traces with ``topomesh profile``'s :func:`~topomesh.cost.ops.profile_ops`,
-at ``--threads`` threads), predicts each layout, runs it (``topomesh launch --standalone``,
+Calibrates what it needs (the gloo collective profile with ``topomesh calibrate``: a sweep
+before each pass, fitted with the newest saved ones, or once with ``--no-sweep-each-pass``;
+the ops of the layouts' traces once with ``topomesh profile``'s
+:func:`~topomesh.cost.ops.profile_ops`, at ``--threads`` threads), predicts each layout, runs it
+(``topomesh launch --standalone``,
 ``--warmup`` steps discarded, the median of ``--steps`` timed steps — of every run's steps
 with ``--repeats N``, the layouts run in turn N times — peak memory from the profiler's
 allocation records) and prints predicted, measured and error per layout, the
