@@ -143,6 +143,25 @@ def test_the_stretch_is_the_last_rank_over_one_alone():
     assert stretch_of([1.0, 1.0, 4.0], [[2.0]]) == pytest.approx(1.0)  # the mean alone (2.0), not the median (1.0)
 
 
+def test_the_chain_is_timed_per_matmul_on_the_lead(monkeypatch):
+    """One process as the lead (the broadcast faked): the seconds returned are one matmul's, so
+    a chain of 10 ms / that many matmuls takes about 10 ms of this thread's CPU (within 5x: the
+    lead's own timing is on the wall clock, which a loaded machine stretches)."""
+    import time
+
+    import torch.distributed as dist
+
+    from topomesh.cost import calibrate
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: None)
+    chain, per = calibrate._timed_chain(0)
+    k = round(0.01 / per)
+    t0 = time.thread_time()
+    chain(k)
+    assert 0.01 / 5 < time.thread_time() - t0 < 0.05
+
+
 @pytest.mark.parametrize("ranks, counts", [([0, 1, 2, 3], {"2", "4"}), ([0, 1, 2], {"2", "3"}), ([0], set())])
 def test_the_stretch_is_measured_for_every_power_of_two_and_the_host(monkeypatch, ranks, counts):
     """One process stands in for rank 0 of the host (the collectives faked: every other rank
@@ -162,7 +181,7 @@ def test_the_stretch_is_measured_for_every_power_of_two_and_the_host(monkeypatch
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: len(ranks))
     monkeypatch.setattr(dist, "barrier", lambda: None)
-    monkeypatch.setattr(dist, "broadcast", lambda t, src: None)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: None)
     monkeypatch.setattr(dist, "all_gather", all_gather)
     got = calibrate.measure_compute_stretch(ranks, budget_s=0.02)
     assert set(got) == counts

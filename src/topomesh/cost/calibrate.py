@@ -307,6 +307,24 @@ def _matmul_chain() -> Callable[[int], None]:
     return chain
 
 
+def _timed_chain(lead: int, group: Any = None) -> tuple[Callable[[int], None], float]:
+    """A warmed :func:`_matmul_chain` and the seconds one of its matmuls takes, timed on rank
+    ``lead`` and broadcast over ``group`` (call on every rank of it), so every rank runs the
+    same counts (at least 1e-7 s)."""
+    import torch
+    import torch.distributed as dist
+
+    chain = _matmul_chain()
+    chain(50)
+    per = torch.zeros(1, dtype=torch.float64)
+    if dist.get_rank() == lead:
+        t0 = time.perf_counter()
+        chain(400)
+        per[0] = (time.perf_counter() - t0) / 400
+    dist.broadcast(per, src=lead, group=group)
+    return chain, max(float(per[0]), 1e-7)
+
+
 def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> dict[str, Any]:
     """How much longer compute takes, until every one of ``n`` ranks has finished it, when ``n``
     ranks of one host run it at once than when one runs it alone; per ``n`` in 2, 4, ... and
@@ -329,14 +347,7 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> d
     me, lead = dist.get_rank(), ranks[0]
     counts = sorted({2 ** i for i in range(1, len(ranks).bit_length())} | {len(ranks)} - {1})
     ratios: dict[int, list[float]] = {n: [] for n in counts}
-    chain = _matmul_chain()
-    chain(50)
-    per = torch.zeros(1, dtype=torch.float64)
-    if me == lead:
-        t0 = time.perf_counter()
-        chain(400)
-        per[0] = (time.perf_counter() - t0) / 400
-    dist.broadcast(per, src=lead)
+    chain, per = _timed_chain(lead)
 
     def timed(team: Sequence[int], k: int, reps: int) -> torch.Tensor:
         """This rank's time for ``chain(k)`` in each of ``reps`` repeats, all of ``team`` starting
@@ -351,7 +362,7 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> d
         return mine
 
     for seconds in STRETCH_SEGMENTS_S:
-        k = max(1, round(seconds / max(float(per[0]), 1e-7)))
+        k = max(1, round(seconds / per))
         reps = max(10, round(budget_s / seconds))
         alone = timed(ranks[:1], k, reps).tolist()  # the lead's own
         for n in counts:
@@ -388,7 +399,6 @@ def measure_collective_in_step(ranks: Sequence[int], *, budget_s: float = 0.25) 
     0.25 ms and +1.07…+2.13 at 8 ms. The compute after a collective is not what slows (a 2 or
     8 ms chain after one took 0.0-0.2 ms longer than after a barrier): the collective is, once
     the ranks have computed a while. Returns ``{"gap": seconds}`` on ``ranks[0]``, None on the others."""
-    import torch
     import torch.distributed as dist
 
     from topomesh.layout import groups as tm_groups
@@ -397,14 +407,7 @@ def measure_collective_in_step(ranks: Sequence[int], *, budget_s: float = 0.25) 
     pg = tm_groups.new_group(team)
     extra: dict[float, list[float]] = {gap: [] for gap in IN_STEP_GAPS_S}
     if me in team:
-        chain = _matmul_chain()
-        chain(50)
-        per = torch.zeros(1, dtype=torch.float64)
-        if me == team[0]:
-            t0 = time.perf_counter()
-            chain(400)
-            per[0] = (time.perf_counter() - t0) / 400
-        dist.broadcast(per, src=team[0], group=pg)
+        chain, per = _timed_chain(team[0], pg)
         for kind, nbytes in IN_STEP_POINTS:
             inp, out = _buffers(kind, nbytes, 2, "cpu")
             fn = _op(kind, inp, out, pg, team, me)
@@ -412,7 +415,7 @@ def measure_collective_in_step(ranks: Sequence[int], *, budget_s: float = 0.25) 
                 fn()
             between = statistics.fmean(_time_once(fn, pg, "cpu") for _ in range(100))
             for gap in IN_STEP_GAPS_S:
-                k = max(1, round(gap / max(float(per[0]), 1e-7)))
+                k = max(1, round(gap / per))
                 repeats = max(20, round(budget_s / (gap + 0.002)))  # the same on both ranks
                 alone = _loop_s(None, chain, k, repeats, pg)
                 extra[gap].append(_loop_s(fn, chain, k, repeats, pg) - alone - between)
@@ -476,9 +479,7 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     >>> pool_sweeps(one, {**two, "world_size": 4}, keep=4)[1]
     'it measured world_size 2, this sweep 4'
     """
-    this = {"measured_at": new.get("measured_at"), "points": len(new["samples"]),
-            "compute_stretch": new.get("compute_stretch") or {}, "sweep_seconds": new.get("sweep_seconds"),
-            "collective_in_step_s": new.get("collective_in_step_s")}
+    this = _sweep_entry(new)
     alone = {**new, "sweeps": [this]}
     if keep < 2 or old is None:
         return alone, None
@@ -486,18 +487,23 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     if reason:
         return alone, reason
     rows = old["samples"]
-    sweeps = old.get("sweeps") or [{"measured_at": old.get("measured_at"), "points": len(rows),
-                                    "compute_stretch": old.get("compute_stretch") or {},
-                                    "sweep_seconds": old.get("sweep_seconds"),
-                                    "collective_in_step_s": old.get("collective_in_step_s")}]
+    sweeps = old.get("sweeps") or [_sweep_entry(old)]  # a profile from before pooling: one sweep
     starts = [0]
     for sw in sweeps:
         starts.append(starts[-1] + sw["points"])
     kept = sweeps[-(keep - 1):]
     rows = rows[starts[len(sweeps) - len(kept)]:] + list(new["samples"])
     kept = [*kept, this]
-    return {**new, "samples": rows, "sweeps": kept, "compute_stretch": _mean_per_key([sw.get("compute_stretch") for sw in kept]),
+    return {**new, "samples": rows, "sweeps": kept,
+            "compute_stretch": _mean_per_key([sw.get("compute_stretch") for sw in kept]),
             "collective_in_step_s": _mean_per_key([sw.get("collective_in_step_s") for sw in kept]) or None}, None
+
+
+def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
+    """What ``meta.sweeps`` keeps of a one-sweep profile's ``meta``."""
+    return {"measured_at": meta.get("measured_at"), "points": len(meta["samples"]),
+            "compute_stretch": meta.get("compute_stretch") or {}, "sweep_seconds": meta.get("sweep_seconds"),
+            "collective_in_step_s": meta.get("collective_in_step_s")}
 
 
 def _mean_per_key(dicts: Sequence[Any]) -> dict[str, float]:
@@ -533,9 +539,13 @@ def _unpoolable(old: Any, new: dict[str, Any]) -> str | None:
     return None
 
 
+_KINDS = frozenset(k.value for k in CollectiveKind)
+_LINKS = frozenset(k.value for k in LinkKind)
+
+
 def _is_row(row: Any) -> bool:
-    return (isinstance(row, list) and len(row) == 5 and row[0] in {k.value for k in CollectiveKind}
-            and row[1] in {k.value for k in LinkKind} and type(row[2]) is int and type(row[3]) is int
+    return (isinstance(row, list) and len(row) == 5 and row[0] in _KINDS
+            and row[1] in _LINKS and type(row[2]) is int and type(row[3]) is int
             and isinstance(row[4], int | float) and math.isfinite(row[4]) and row[4] >= 0)
 
 

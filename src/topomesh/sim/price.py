@@ -261,8 +261,9 @@ class Pricer:
                     reduced += e.bytes if role == "reduce" else 0
                     if shared or not role:
                         blocking.append(e)  # shared: no overlap, the compute cores run it
-                        gaps.append(since)
-                        since = 0.0
+                        if shared:
+                            gaps.append(since)
+                            since = 0.0
                     else:
                         (gather if role == "gather" else reduce).append(e)
         extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]

@@ -357,11 +357,8 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     if pp > 1:
         rec = CollectiveRecord(kind=CollectiveKind.SEND_RECV, bytes=sym_priced.boundary_bytes, group_size=2,
                                mesh_axis=Axis.PP.value)
-        from topomesh.cost.cluster import group_collective_time_s
-
-        p2p_s = group_collective_time_s(rec, link_of(Axis.PP.value), cluster.profile)
-        if cluster.collectives_share_compute:  # a hand-off follows a stage's micro-batch: long compute
-            p2p_s = max(0.0, p2p_s * cluster.core_share + cluster.in_step_extra_s(math.inf))
+        # a hand-off follows a stage's micro-batch: long compute
+        p2p_s = Pricer(cluster, link_of, {}, memo.ops).comm(rec, gap_s=math.inf).seconds
     # a pipeline on shared cores: its ranks are not all busy at once (topomesh.sim.shared)
     shared = pp > 1 and cluster.cores is not None
     if record or shared:  # the Python engine, on plans priced on this layout's links

@@ -153,14 +153,25 @@ def compare(results: Sequence[LayoutResult]) -> dict[str, Any]:
 # ------------------------------------------------------------------ calibration
 
 
+SWEEP_ARGV = ("--collectives", "all_reduce,all_gather,reduce_scatter,send_recv", "--max-bytes", str(16 << 20),
+              "--no-progress", "--backend", "gloo")
+"""The sweep validate calibrates with: the collectives its layouts issue, up to 16 MiB."""
+
+POOL = 4
+"""Sweeps the collective profile is fitted over when validate adds one before each pass
+(``calibrate --pool``): this one and the newest three saved. Three sweeps back to back here
+fitted a 2-rank reduce-scatter 16-36 % apart and put two ranks' compute stretch at 1.06-1.30;
+the mean over four launches halves such spreads where they are the tail of one launch's repeats."""
+
+
 def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
-    """The gloo profile of this host, calibrated now (``calibrate --local world``, sizes up to
-    16 MiB) when none is saved, the newest measured fewer ranks than ``world``, it reduced
+    """The gloo profile of this host, calibrated now (one sweep of :func:`pooled_collectives`,
+    not pooled) when none is saved, the newest measured fewer ranks than ``world``, it reduced
     its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
     before 2026-11-25), it has no compute stretch for ``world`` ranks (before 2026-11-25's
     last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), or its ranks were
     bound to CPUs (the real runs are not: :func:`_unbound`)."""
-    from topomesh.cost.calibrate import STATISTIC, profile_directory, spawn_local
+    from topomesh.cost.calibrate import STATISTIC, profile_directory
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
 
@@ -174,30 +185,17 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
             return path
     except ClusterError:
         pass
-    result = spawn_local(max(2, world), SWEEP_ARGV, timeout_s=timeout_s)
-    return Path(result["profile"])
+    return pooled_collectives(world, pool=1, timeout_s=timeout_s)
 
 
-SWEEP_ARGV = ("--collectives", "all_reduce,all_gather,reduce_scatter,send_recv", "--max-bytes", str(16 << 20),
-              "--no-progress", "--backend", "gloo")
-"""The sweep validate calibrates with: the collectives its layouts issue, up to 16 MiB."""
-
-
-POOL = 4
-"""Sweeps the collective profile is fitted over when validate adds one before each pass
-(``calibrate --pool``): this one and the newest three saved. Three sweeps back to back here
-fitted a 2-rank reduce-scatter 16-36 % apart and put two ranks' compute stretch at 1.06-1.30;
-the mean over four launches halves such spreads where they are the tail of one launch's repeats."""
-
-
-def pooled_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
-    """One more gloo sweep of this host (``calibrate --local world``, as :func:`ensure_collectives`
-    runs it), the profile fitted over it and the newest :data:`POOL` - 1 sweeps saved before
-    it that were measured the same way (:func:`~topomesh.cost.calibrate.pool_sweeps`)."""
+def pooled_collectives(world: int, *, pool: int = POOL, timeout_s: float = 900.0) -> Path:
+    """One more gloo sweep of this host (``calibrate --local world`` with :data:`SWEEP_ARGV`),
+    the profile fitted over it and the newest ``pool`` - 1 sweeps saved before it that were
+    measured the same way (:func:`~topomesh.cost.calibrate.pool_sweeps`)."""
     from topomesh.cost.calibrate import profile_directory, spawn_local
 
-    profile_directory()
-    result = spawn_local(max(2, world), [*SWEEP_ARGV, "--pool", str(POOL)], timeout_s=timeout_s)
+    profile_directory()  # a cache directory we may not use is named here, not lost in a child's exit
+    result = spawn_local(max(2, world), [*SWEEP_ARGV, "--pool", str(pool)], timeout_s=timeout_s)
     return Path(result["profile"])
 
 
