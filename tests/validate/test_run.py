@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from topomesh.cli.validate import _global_batch, _layouts
-from topomesh.errors import LayoutError
+from topomesh.errors import CalibrationError, LayoutError
 from topomesh.models.presets import get_preset
 from topomesh.models.transformer import Transformer
 from topomesh.sim.result import StepBreakdown
@@ -444,7 +444,7 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
     saved = _profile_file(tmp_path / "profile.json", {"measured_at": "2026-11-26T05:55:03Z"})
     monkeypatch.setattr(vrun, "ensure_collectives", lambda world: order.append(f"reuse {world}") or saved)
     monkeypatch.setattr(vrun, "pooled_collectives", lambda world: order.append(f"sweep {world}") or saved)
-    monkeypatch.setattr(vrun, "ensure_ops", lambda records, progress=None: {})
+    monkeypatch.setattr(vrun, "ensure_ops", lambda records, progress=None, **kw: {})
     monkeypatch.setattr(vrun, "measure", measure)
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
@@ -475,6 +475,48 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
     args.repeats = 0
     with pytest.raises(LayoutError, match="--repeats must be a positive integer, got 0"):
         cli.run(args)
+
+
+def test_on_a_gpu_one_rank_runs_there_priced_on_its_preset_without_sweeps(monkeypatch, capsys):
+    """``--device cuda`` with CUDA faked: no collective sweep, no in-step replay; the ops are
+    timed on the GPU into ``--db``, the run is on the GPU, the prediction on the GPU's preset."""
+    from topomesh.cli import validate as cli
+    from topomesh.cost import devices
+    from topomesh.validate import run as vrun
+
+    seen: dict[str, object] = {}
+
+    def ensure_ops(records, progress=None, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen["ops"] = kw
+        return {}
+
+    def measure(model, seq_len, layout, training, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.setdefault("runs", []).append(kw["device"])
+        return {**_record([0.05, 0.05], 5, 0.0), "device": "NVIDIA H100 80GB HBM3"}
+
+    def refuse(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("no collective sweep or in-step replay on a GPU")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices, "device_fingerprint", lambda device="cpu": "NVIDIA H100 80GB HBM3")
+    for name in ("pooled_collectives", "ensure_collectives", "in_step_tables"):
+        monkeypatch.setattr(vrun, name, refuse)
+    monkeypatch.setattr(vrun, "ensure_ops", ensure_ops)
+    monkeypatch.setattr(vrun, "measure", measure)
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--device", "cuda", "--model", "tiny-llama", "--db", "ops.sqlite", "--repeats", "2", "--json"])
+    assert cli.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert seen == {"ops": {"device": "cuda", "db": "ops.sqlite"}, "runs": ["cuda", "cuda"]}
+    assert report["cluster"] == "dgx-h100" and report["device"] == "NVIDIA H100 80GB HBM3"
+    assert [r["layout"] for r in report["layouts"]] == ["dp_shard=1"]  # the default on a GPU
+    assert report["layouts"][0]["predicted_s"] > 0
+    with pytest.raises(LayoutError, match="--device cuda validates one GPU.*got tp=2"):
+        cli.run(p.parse_args(["--device", "cuda", "--model", "tiny-llama", "--layouts", "tp=2"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CalibrationError, match="--device cuda: CUDA is not available"):
+        cli.run(p.parse_args(["--device", "cuda", "--model", "tiny-llama"]))
 
 
 def test_the_wait_for_a_core_is_schedstat_s_second_field(tmp_path):

@@ -6,6 +6,7 @@ Examples::
     topomesh validate --model benchmarks/validate_llama.json
     topomesh validate --model tiny-llama --seq-len 256 --layouts dp_shard=2 --layouts tp=2 --json
     topomesh validate --model benchmarks/validate_llama.json --png validate.png
+    topomesh validate --device cuda --model benchmarks/validate_gpu_llama.json --layouts dp_shard=1 --micro-batch 2
 
 Calibrates what it needs (the gloo collective profile with ``topomesh calibrate``: a sweep
 before each pass, fitted with the newest saved ones, or once with ``--no-sweep-each-pass``;
@@ -17,6 +18,11 @@ with ``--repeats N``, the layouts run in turn N times — peak memory from the p
 allocation records) and prints predicted, measured and error per layout, the
 mean and max absolute error and whether the predicted fastest is the measured fastest
 (:mod:`topomesh.validate.run`).
+
+``--device cuda`` validates one GPU: a one-rank layout run on it (NCCL, ``torch.cuda``'s
+peak), its ops timed there with CUDA events into the op table, the prediction made on the
+cluster preset of that GPU (``dgx-h100`` for an H100) with that table; no collective sweep
+and no in-step replay (the events time each kernel itself).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import json
 import math
 import sys
 
-HELP = "Run layouts for real here (gloo, CPU) and compare step time and memory with the simulator's predictions."
+HELP = "Run layouts for real here (gloo on CPU, or one GPU) and compare step time and memory with the simulator's predictions."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="before each pass over the layouts, one more collective sweep, the profile fitted over it "
                         "and the newest saved ones (4 in all; default on). Off: the saved profile is reused "
                         "(calibrated once when there is none)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the layouts run: cpu (gloo processes sharing this host's cores, predicted on the "
+                        "local cluster; default) or cuda (one GPU, a one-rank layout, predicted on the cluster "
+                        "preset of that GPU with its ops timed there)")
+    p.add_argument("--db", default=None, metavar="FILE",
+                   help="op-profile SQLite file the ops are timed into and priced from (default: the shared one)")
     p.add_argument("--json", action="store_true", help="the report as JSON")
     p.add_argument("--png", default=None, metavar="FILE", help="predicted against measured step time, one point per layout")
 
@@ -86,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from topomesh.cost.cluster import local_cluster
-    from topomesh.errors import LayoutError
+    from topomesh.cost.cluster import LOCAL, load_cluster, local_cluster, preset_for_device
+    from topomesh.cost.devices import current_device_spec
+    from topomesh.errors import CalibrationError, LayoutError
     from topomesh.sim.inputs import load_model
     from topomesh.sim.schedules import Schedule
     from topomesh.sim.simulate import Simulator, Training
@@ -112,10 +125,16 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 2:
         raise LayoutError(f"--warmup must be at least 2 (the first step is not a steady one), got {args.warmup}.")
     torch.set_num_threads(args.threads)  # the op table and the CPU spec are keyed by it
+    gpu = args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        raise CalibrationError("--device cuda: CUDA is not available on this machine")
     model = load_model(args.model, seq_len=args.seq_len)
     if model.config is None:
         raise LayoutError(f"--model {args.model}: validate runs built-in transformer configs (a preset or a .json).")
-    layouts = _layouts(args.layouts or list(DEFAULT_LAYOUTS))
+    layouts = _layouts(args.layouts or (["dp_shard=1"] if gpu else list(DEFAULT_LAYOUTS)))
+    if gpu and any(lay.world_size != 1 for _, lay in layouts):
+        raise LayoutError("--device cuda validates one GPU: give one-rank layouts (e.g. --layouts dp_shard=1); "
+                          f"got {', '.join(text for text, lay in layouts if lay.world_size != 1)}")
     gb = _global_batch(args, layouts)
     training = Training(global_batch=gb, micro_batch=args.micro_batch, seq_len=args.seq_len or model.seq_len,
                         dtype=args.dtype, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
@@ -124,10 +143,14 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     cache = TraceCache(default_directory())
     worlds = sorted({lay.world_size for _, lay in layouts})
+    cluster_name = preset_for_device(current_device_spec(args.device)) if gpu else LOCAL
 
     def collectives(tag: str) -> tuple[dict, dict]:
         """The collective profile (one more sweep pooled with the saved ones, or the saved one
-        reused) and the local cluster of every world priced with it."""
+        reused) and the local cluster of every world priced with it; on a GPU its preset's
+        cluster of one rank, which has no collective to price."""
+        if gpu:
+            return {}, {1: load_cluster(cluster_name, gpus=1)}
         if args.sweep_each_pass:  # between the passes' runs
             with err.status(f"{tag}collective sweep ({max(worlds)} processes), pooled with the saved ones"):
                 path = pooled_collectives(max(worlds))
@@ -145,15 +168,16 @@ def run(args: argparse.Namespace) -> int:
         full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
         records += [e for e in full.events() if isinstance(e, OpRecord)]
     with err.status("op table (ops not yet measured at this thread count)") as status:
-        table = ensure_ops(records, progress=lambda d, n, op: status.update(f"profiling ops {d}/{n}: {op}"))
+        table = ensure_ops(records, progress=lambda d, n, op: status.update(f"profiling ops {d}/{n}: {op}"),
+                           device=args.device, db=args.db)
     passes: dict[str, list] = {text: [] for text, _ in layouts}
     for n in range(args.repeats):  # the layouts in turn: a slow spell of the VM falls on all of them
         tag = f"run {n + 1}/{args.repeats}: " if args.repeats > 1 else ""
-        if n and args.sweep_each_pass:
+        if n and args.sweep_each_pass and not gpu:
             profile, clusters = collectives(tag)
         for text, lay in layouts:
             in_step: dict[str, dict] = {}
-            if args.in_step:  # just before the real run: this VM's speed drifts over minutes
+            if args.in_step and not gpu:  # just before the real run: this VM's speed drifts over minutes
                 with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed)"):
                     in_step = in_step_tables(args.model, args.seq_len, [(text, lay)], training, threads=args.threads)
             # one simulator per layout: op times are memoized per simulator, and each layout has its own
@@ -162,11 +186,12 @@ def run(args: argparse.Namespace) -> int:
             predicted = sim.simulate(lay, training)
             with err.status(f"{tag}running {text} for real ({lay.world_size} processes, {args.steps} steps)"):
                 record = measure(args.model, args.seq_len, lay, training, steps=args.steps, warmup=args.warmup,
-                                 threads=args.threads)
+                                 threads=args.threads, device=args.device)
             passes[text].append((predicted, record))
     results = [pooled_result(text, passes[text]) for text, _ in layouts]
     report = compare(results)
-    report.update({"model": model.spec.name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
+    report.update({"model": model.spec.name, "device": record.get("device", args.device),
+                   "cluster": cluster_name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
                    "warmup": args.warmup, "repeats": args.repeats, "cpus": len(allowed_cpus()),
                    "collective_profile": profile,
                    "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
@@ -187,7 +212,8 @@ def _print(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{report['model']}: predicted (local cluster) vs measured, global batch "
+    table = Table(title=f"{report['model']}: predicted ({report.get('cluster', 'local')} cluster) vs measured "
+                        f"on {report.get('device', 'cpu')}, global batch "
                         f"{report['global_batch']}, {report['threads']} thread(s) per process")
     runs = any(len(r.get("measured_runs_s") or ()) > 1 for r in report["layouts"])
     for col in ("layout", "ranks", "predicted ms", "measured ms", "error", *(("runs' medians ms",) if runs else ()),

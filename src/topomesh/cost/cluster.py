@@ -332,6 +332,20 @@ def load_cluster(name: str, *, gpus: int | None = None) -> Cluster:
                    profile=builtin_profile(preset.profile), gpus_per_node=per_node, source=preset.source)
 
 
+def preset_for_device(spec: DeviceSpec) -> str:
+    """The GPU cluster preset whose nodes hold ``spec``'s device (``H100-SXM5-80GB`` ->
+    ``dgx-h100``): what ``topomesh validate --device cuda`` predicts a GPU of this machine on.
+
+    >>> preset_for_device(device_spec("H200-SXM-141GB"))
+    'dgx-h200'
+    """
+    for name in cluster_names():
+        if name != LOCAL and node_preset(name).device == spec.name:
+            return name
+    gpu = [n for n in cluster_names() if n != LOCAL]
+    raise ClusterError(f"no cluster preset has {spec.name} GPUs; the presets are {', '.join(gpu)}")
+
+
 # ------------------------------------------------------------------ local
 
 

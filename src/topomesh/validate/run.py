@@ -239,17 +239,19 @@ def profile_info(path: str | Path, now: float | None = None) -> dict[str, Any]:
             "sweeps": len(sweeps) if isinstance(sweeps, list) and sweeps else 1}
 
 
-def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], None] | None = None) -> dict:
-    """Profile the distinct ops of ``records`` not yet measured for this CPU at the current
-    thread count; returns the op table for that fingerprint."""
-    from topomesh.cost.devices import cpu_fingerprint
+def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], None] | None = None,
+               device: str = "cpu", db: str | Path | None = None) -> dict:
+    """Profile the distinct ops of ``records`` not yet measured on ``device`` (this CPU at the
+    current thread count, or a GPU by its name) into ``db`` (default: the shared op-profile
+    table); returns the op table for that fingerprint."""
+    from topomesh.cost.devices import device_fingerprint
     from topomesh.cost.opdb import OpProfileDB
     from topomesh.cost.ops import profile_ops
 
-    fp = cpu_fingerprint()
-    with OpProfileDB() as db:
-        profile_ops(records, db, device="cpu", fingerprint=fp, progress=progress)
-        return db.table(fp)
+    fp = device_fingerprint(device)
+    with OpProfileDB(db) as store:
+        profile_ops(records, store, device=device, fingerprint=fp, progress=progress)
+        return store.table(fp)
 
 
 def in_step_tables(model: str, seq_len: int | None, layouts: Sequence[tuple[str, Any]], training: Any, *,
@@ -285,11 +287,12 @@ def _child_env(threads: int) -> dict[str, str]:
 
 
 def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, steps: int, warmup: int,
-            threads: int, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run ``layout`` for real (see :mod:`topomesh.validate.worker`); rank 0's record."""
+            threads: int, device: str = "cpu", timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run ``layout`` for real (see :mod:`topomesh.validate.worker`) on ``device`` (``cpu``:
+    gloo processes; ``cuda``: a GPU per rank, NCCL); rank 0's record."""
     degrees = {a.value: layout.degree(a) for a in layout.order}
     spec = {"model": model, "seq_len": seq_len, "degrees": degrees, "order": layout.order_text(),
-            "threads": threads, "warmup": warmup, "steps": steps, "training": _knobs(training)}
+            "threads": threads, "warmup": warmup, "steps": steps, "training": _knobs(training), "device": device}
 
     def argv(tmp: Path) -> list[str]:
         return ["-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),

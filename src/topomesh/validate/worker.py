@@ -33,6 +33,12 @@ what the step cost apart from waiting for a core — and the most minor page fau
 in it (:data:`topomesh.validate.run.STEADY_MALLOC` keeps them near zero). Rank 0 writes the
 times, the peaks of every rank, the load average before and after, the thread count, and
 the c10d calls its profiled step made (:func:`collective_calls`).
+
+On a GPU (the spec's ``device`` is ``cuda``: ``topomesh validate --device cuda``) the model,
+tokens and optimizer state live on ``LOCAL_RANK``'s GPU, the process group is NCCL, each timed
+step ends with ``torch.cuda.synchronize`` (its kernels done, not only issued), and the peak is
+``torch.cuda.max_memory_allocated`` over the last warm-up step, counted from what is allocated
+when it starts (parameters, gradients' storage, optimizer state); the profiler is not run.
 """
 
 from __future__ import annotations
@@ -264,6 +270,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     from topomesh.trace.tracer import default_optimizer
 
     threads = int(spec["threads"])
+    device = torch.device(str(spec.get("device", "cpu")))
+    cuda = device.type == "cuda"
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
     load_before = _loadavg()
@@ -274,8 +282,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     cfg = dataclasses.replace(cfg, seq_len=model_def.seq_len)
     training = Training(**{**spec["training"], "schedule": Schedule(spec["training"]["schedule"])})
     degrees: dict[str, int] = spec["degrees"]
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        mesh = mesh_from_topology(degrees, device_type="cpu", order=spec.get("order"))
+    # on a GPU torch.cuda's own peak counter, on CPU the profiler's allocation records
+    recorder = contextlib.nullcontext() if cuda else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with recorder as prof:
+        mesh = mesh_from_topology(degrees, device_type=device.type, order=spec.get("order"))
+        if cuda:
+            device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's (ensure_process_group)
         from topomesh.layout.api import resolve_layout
 
         layout = resolve_layout(degrees, dist.get_world_size(), order=spec.get("order"))
@@ -292,12 +304,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         torch.set_default_dtype(dtype)
         try:
             torch.manual_seed(0)
-            if pp > 1:
-                stage = mesh.get_local_rank(Axis.PP.value)
-                layers = split_layers(cfg.n_layers, pp)
-                module: nn.Module = StageModel(cfg, layers[stage], first=stage == 0, last=stage == pp - 1)
-            else:
-                stage, module = 0, Transformer(cfg)
+            with device:  # parameters and buffers made where they train
+                if pp > 1:
+                    stage = mesh.get_local_rank(Axis.PP.value)
+                    layers = split_layers(cfg.n_layers, pp)
+                    module: nn.Module = StageModel(cfg, layers[stage], first=stage == 0, last=stage == pp - 1)
+                else:
+                    stage, module = 0, Transformer(cfg)
         finally:
             torch.set_default_dtype(previous)
         sub = [a.value for a in layout.mesh_axes if a is not Axis.PP]
@@ -307,9 +320,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             module = parallelize(module, inner) or module
         optimizer = default_optimizer([p for p in module.parameters() if p.requires_grad])
         tp = layout.degree(Axis.TP)
-        step_fn = _pipeline_step(module, mesh, stage, pp, micro, training, tp=tp) if pp > 1 else _plain_step(module, micro)
+        step_fn = (_pipeline_step(module, mesh, stage, pp, micro, training, tp=tp, device=device) if pp > 1
+                   else _plain_step(module, micro))
         g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, cfg.vocab_size, (training.micro_batch * micro, cfg.seq_len), generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (training.micro_batch * micro, cfg.seq_len), generator=g).to(device)
 
         def one_step() -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -320,36 +334,46 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         for i in range(warmup):
             dist.barrier()
             if i == warmup - 1:
+                if cuda:  # the peak from here on; what is allocated now (parameters, optimizer state) counts
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
                 with record_function("topomesh_validate_step"):
                     one_step()
             else:
                 one_step()
+        _sync(device)
         dist.barrier()
-    mem, window = allocation_records(prof)
-    peak = peak_in_window(mem, *window[-1]) if window else 0
-    calls = collective_calls(prof, *window[-1]) if window else {}
-    del prof, mem
+    if cuda:
+        peak, calls = torch.cuda.max_memory_allocated(device), {}
+    else:
+        mem, window = allocation_records(prof)
+        peak = peak_in_window(mem, *window[-1]) if window else 0
+        calls = collective_calls(prof, *window[-1]) if window else {}
+        del prof, mem
     times: list[float] = []
     cpu: list[float] = []
     faults: list[int] = []
     waits: list[float] = []
     for _ in range(int(spec["steps"])):
         dist.barrier()
+        _sync(device)
         t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         w0 = core_wait_ns()
         one_step()
+        _sync(device)  # a GPU step ends when its kernels have
         w1 = core_wait_ns()
         f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0, f1 - f0, (w1 - w0) / 1e9],
-                          dtype=torch.float64)
+                          dtype=torch.float64, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         times.append(float(dt[0]))
         cpu.append(float(dt[1]))
         faults.append(int(dt[2]))
         waits.append(float(dt[3]))
-    peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, torch.tensor([peak], dtype=torch.int64))
+    peaks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([peak], dtype=torch.int64, device=device))
     out = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "degrees": degrees,
         "world_size": dist.get_world_size(),
         "threads": threads,
@@ -398,8 +422,13 @@ def _plain_step(module: nn.Module, micro: int) -> Any:
     return step
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int, training: Any, *,
-                   tp: int = 1) -> Any:
+                   tp: int = 1, device: torch.device | None = None) -> Any:
     """One step of torch's pipeline schedule over this rank's stage. Under tp the blocks hand
     each other (and so each stage the next) this rank's plain local piece of the residual
     stream — the built-in plan's styles return local outputs — so stages send plain tensors;
@@ -417,7 +446,7 @@ def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int
         # to its last backward. With the default, every forward resharded them and the next
         # action gathered again: 5 all-gathers per unit in a 4-micro-batch 1F1B step, not 1.
         module.set_reshard_after_forward(False)
-    pipe = PipelineStage(module, stage, pp, torch.device("cpu"), group=mesh.get_group("pp"))
+    pipe = PipelineStage(module, stage, pp, device or torch.device("cpu"), group=mesh.get_group("pp"))
     schedule = get_schedule_class(training.schedule.torch_name)(pipe, n_microbatches=micro, loss_fn=causal_lm_loss)
     last = stage == pp - 1
     sharded_loss = tp > 1 and last
