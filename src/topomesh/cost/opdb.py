@@ -103,6 +103,17 @@ class OpTiming:
     warmup: int
     method: str
     """How it was timed, e.g. ``cpu perf_counter`` or ``cuda events``."""
+    host_s: float | None = None
+    """On a GPU: the host's seconds to issue one call (stored under :func:`host_fingerprint`)."""
+
+
+def host_fingerprint(fingerprint: str) -> str:
+    """Where a GPU's table of host issue times is kept: beside its op table, under this name.
+
+    >>> host_fingerprint("NVIDIA H100 80GB HBM3")
+    'NVIDIA H100 80GB HBM3 | host issue'
+    """
+    return f"{fingerprint} | host issue"
 
 
 def valid_timing(median_s: Any) -> bool:

@@ -27,7 +27,9 @@ an explicit :class:`Efficiency` table (``data/op_efficiency.json``, all 1.0: a p
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import statistics
 import time
 from collections import Counter
@@ -41,7 +43,7 @@ from typing import Any
 from topomesh.cost import opcheck as _opcheck
 from topomesh.cost.devices import DeviceSpec
 from topomesh.cost.efficiency import is_causal, op_efficiency
-from topomesh.cost.opdb import Key, OpProfileDB, OpTiming
+from topomesh.cost.opdb import Key, OpProfileDB, OpTiming, host_fingerprint
 from topomesh.errors import TraceError
 from topomesh.trace.graph import OpRecord, Phase, TensorMeta
 
@@ -308,14 +310,110 @@ def _call_arguments(op: Any, tensors: Sequence[Any], args: Sequence[Any]) -> tup
     return out, kwargs
 
 
+CPU_ATTENTION = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": 0,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": 1,
+}
+"""A CPU trace's attention ops (``F.scaled_dot_product_attention`` on CPU tensors) and where
+their query, key and value start among the inputs (after ``grad_out`` in the backward). A
+GPU cannot run them: there they are timed as the GPU step runs attention
+(:func:`_gpu_attention`)."""
+
+GPU_CLOCK_HZ = 2.0e9
+"""Cycles a second assumed when sizing ``torch.cuda._sleep``: at or above the top SM clock
+of the GPUs we ship specs for (H100/H200 SXM 1,980 MHz, A100 SXM 1,410 MHz, NVIDIA's
+datasheets), so the busy kernel lasts at least as long as asked."""
+MAX_BUSY_S = 0.05
+"""Longest busy kernel :func:`time_op` queues ahead of an op's repeats on a GPU."""
+GROUPS = 3
+"""Groups of back-to-back calls an op is timed in on a GPU (the median of their per-call times)."""
+MIN_OP_S = 1e-7
+"""What an op that launches no GPU work (a view) is stored as on a GPU: the table holds
+positive times, and CUDA events resolve about 0.5 us (CUDA Runtime API,
+``cudaEventElapsedTime``)."""
+
+
+def _gpu_attention(record: OpRecord, device: str) -> Callable[[], Any]:
+    """The GPU work of a CPU trace's attention op: ``F.scaled_dot_product_attention`` on the
+    record's query, key and value, as the real step on the GPU calls it — the kernel PyTorch
+    picks there (cuDNN or flash on Hopper) —, its forward, or for the backward record the
+    backward of one forward made here (``retain_graph``, so it can be run again)."""
+    import torch
+    import torch.nn.functional as F
+
+    first = CPU_ATTENTION[record.op]
+    q, k, v = (make_tensor(t, device) for t in record.inputs[first:first + 3])
+    dropout_p, is_causal_ = (list(record.args) + [0.0, False])[:2]
+    kw = {"dropout_p": float(dropout_p), "is_causal": bool(is_causal_)}
+    if not first:
+        return lambda: F.scaled_dot_product_attention(q, k, v, **kw)
+    grad = make_tensor(record.inputs[0], device)
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+
+    def backward() -> Any:
+        with torch.enable_grad():
+            return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+    return backward
+
+
+def _host_scalar(record: OpRecord) -> bool:
+    """Whether every tensor of ``record`` is 0-dim: on a GPU such work is the host's —
+    PyTorch's optimizers keep their step count on the CPU unless ``capturable`` or ``fused``
+    (``torch.optim.AdamW``), so its ``+= 1`` and ``.item()`` launch nothing on the GPU."""
+    tensors = (*record.inputs, *record.outputs)
+    return bool(tensors) and all(not t.shape for t in tensors)
+
+
+def _cuda_times(run: Callable[[], Any], device: str, *, warmup: int, min_repeats: int, max_repeats: int,
+                budget_s: float) -> tuple[list[float], list[float]]:
+    """Device seconds a call of ``run`` takes, one figure per group of :data:`GROUPS`: a pair of
+    CUDA events around each group's calls, back to back, all queued behind a busy kernel
+    (``torch.cuda._sleep``) long enough for the host to issue them first. So the events time
+    the GPU's work as a step the host runs ahead of has it — not the host's issuing, which for
+    a kernel of a few microseconds takes longer than the kernel, and without an event pair's
+    own time per call. On an H100, with events around each call issued one call at a time,
+    AdamW's elementwise ops timed 2.6-2.8x their in-step kernel time; with events around each call
+    behind the busy kernel, a view (which launches nothing) still timed 1.9 us.
+
+    Also returns the host's seconds to issue one call, per group (``perf_counter`` around the
+    group's calls, which return before the GPU reaches them)."""
+    import torch
+
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize(device)
+    est = max(time.perf_counter() - t0, 1e-6)  # the host's issuing plus the work: at least the issuing
+    per_group = math.ceil(min(max_repeats, max(min_repeats, budget_s / est)) / GROUPS)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(GROUPS)]
+    torch.cuda._sleep(int(min(MAX_BUSY_S, GROUPS * per_group * est) * GPU_CLOCK_HZ))
+    host = []
+    for start, end in events:
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(per_group):
+            run()
+        host.append(max(MIN_OP_S, (time.perf_counter() - t0) / per_group))
+        end.record()
+    torch.cuda.synchronize(device)
+    return [max(MIN_OP_S, start.elapsed_time(end) / 1e3 / per_group) for start, end in events], host
+
+
 def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repeats: int = 5,
             max_repeats: int = 50, budget_s: float = 0.2) -> OpTiming:
     """Run ``record``'s op for real and return its median time.
 
     CPU: ``time.thread_time`` (the thread's CPU clock) around each call with one torch
-    thread, ``perf_counter`` with more. CUDA: a pair of ``torch.cuda.Event`` s around
-    each call on the current stream, read after ``torch.cuda.synchronize``. Repeats stop
-    at ``max_repeats`` or once ``min_repeats`` ran and ``budget_s`` is spent.
+    thread, ``perf_counter`` with more. CUDA: the GPU's time, CUDA events around groups of
+    calls queued behind a busy kernel (:func:`_cuda_times`); a CPU trace's attention is timed as
+    the GPU runs it (:data:`CPU_ATTENTION`), and work on 0-dim tensors only on the host
+    thread (:func:`_host_scalar`). Repeats stop at ``max_repeats`` or once ``min_repeats``
+    ran and ``budget_s`` is spent.
     Raises any error the op raises (the caller records it as unprofilable), and
     ``ValueError`` for a record :mod:`topomesh.cost.opcheck` refuses (an op outside the
     allow-list, tensors over the bounds, outputs that would be too large) before running it.
@@ -326,30 +424,24 @@ def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repea
         raise ValueError(f"{record.op[:80]} is not run: {problem}")
     op = resolve_op(record.op)
     _opcheck.check_outputs(op, record, lambda tensors: _call_arguments(op, tensors, record.args))
-    inputs = [make_tensor(t, device) for t in record.inputs]
-    call_args, call_kwargs = _call_arguments(op, inputs, record.args)
+    cuda = device.startswith("cuda")
+    if cuda and _host_scalar(record):
+        device, cuda = "cpu", False
+    if cuda and record.op in CPU_ATTENTION:
+        run = _gpu_attention(record, device)
+    else:
+        inputs = [make_tensor(t, device) for t in record.inputs]
+        call_args, call_kwargs = _call_arguments(op, inputs, record.args)
 
-    def run() -> None:
-        op(*call_args, **call_kwargs)
+        def run() -> None:
+            op(*call_args, **call_kwargs)
 
+    host: list[float] = []
     with torch.no_grad():
-        if device.startswith("cuda"):
-            for _ in range(warmup):
-                run()
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            run()
-            torch.cuda.synchronize(device)
-            est = max(time.perf_counter() - t0, 1e-6)
-            reps = int(min(max_repeats, max(min_repeats, budget_s / est)))
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-            for start, end in events:
-                start.record()
-                run()
-                end.record()
-            torch.cuda.synchronize(device)
-            times = [start.elapsed_time(end) / 1e3 for start, end in events]
-            method = f"cuda events, torch {torch.__version__}"
+        if cuda:
+            times, host = _cuda_times(run, device, warmup=warmup, min_repeats=min_repeats, max_repeats=max_repeats,
+                                      budget_s=budget_s)
+            method = f"cuda events behind a busy kernel, torch {torch.__version__}"
         else:
             # One thread: the calling thread's CPU clock, so time spent waiting for a core on
             # a machine others load is not counted as the op's; more threads: wall clock.
@@ -366,7 +458,7 @@ def time_op(record: OpRecord, device: str = "cpu", *, warmup: int = 2, min_repea
             method = (f"cpu {'thread_time' if threads == 1 else 'perf_counter'}, {threads} threads, "
                       f"torch {torch.__version__}")
     return OpTiming(key=profile_key(record), median_s=statistics.median(times), repeats=len(times),
-                    warmup=warmup, method=method)
+                    warmup=warmup, method=method, host_s=statistics.median(host) if host else None)
 
 
 def profilable(record: OpRecord) -> bool:
@@ -424,6 +516,9 @@ def profile_ops(records: Iterable[OpRecord], db: OpProfileDB, *, device: str = "
             failed[rec.op] = reason
         else:
             profiled += db.put(fingerprint, [timing_])
+            if timing_.host_s is not None:  # a GPU's: the host's issue time beside it
+                db.put(host_fingerprint(fingerprint), [dataclasses.replace(
+                    timing_, median_s=timing_.host_s, method=f"host perf_counter, {timing_.method}", host_s=None)])
         if progress:
             progress(i + 1, len(todo), rec.op)
     return ProfileRun(device=device, distinct=len(unique), cached=len(unique) - len(todo), profiled=profiled,
