@@ -80,7 +80,7 @@ def test_recompute_trades_memory_for_time(wide16):
     # full recompute keeps 2·s·b·h per block instead of every block activation; the head's
     # logits (kept either way) dominate what is left
     blocks_kept = 4 * 2 * WIDE.seq_len * WIDE.hidden
-    assert full.memory[0].activations_bytes < none.memory[0].activations_bytes / 3
+    assert full.memory[0].activations_bytes < none.memory[0].activations_bytes / 2
     assert none.memory[0].activations_bytes - full.memory[0].activations_bytes > 10 * blocks_kept
     assert full.step_time_s > none.step_time_s
     assert full.hfu > full.mfu  # recomputed forward counts as hardware FLOPs only

@@ -69,7 +69,7 @@ def _trace_records(args: argparse.Namespace) -> list[OpRecord]:
     spec = transformer_spec(get_preset(args.model), seq_len=args.seq_len)
     traced = min(2, spec.n_layers)
     trace = trace_step(spec, make_parallelize(), parse_degrees(args.layout), n_layers=traced,
-                       batch_size=args.batch_size, dtype=dtype)
+                       batch_size=args.batch_size, dtype=dtype, gpu_kernels=args.device.startswith("cuda"))
     if spec.n_layers > traced:
         trace = trace.compose(spec.n_layers)
     return [e for e in trace.events() if isinstance(e, OpRecord)]

@@ -52,6 +52,14 @@ class PlanInputs:
     cache_dir: str | None = None
     """Trace cache directory; ``None`` keeps traces in memory only."""
 
+    @property
+    def gpu(self) -> bool:
+        """Whether the cluster's ranks are GPUs, whose steps are traced as a GPU runs them
+        (:func:`~topomesh.sim.simulate.gpu_kernels`): all but the ``local`` cluster of CPU processes."""
+        from topomesh.cost.cluster import LOCAL
+
+        return self.cluster != LOCAL
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cell:
@@ -165,7 +173,7 @@ def stored(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ...],
     and why the class failed to trace before when the cache keeps that (:meth:`TraceCache.failure`)."""
     from topomesh.sim.simulate import trace_request
 
-    args, kw = trace_request(model, layout_of(degrees, AXES), training_for(inputs, model, knobs))
+    args, kw = trace_request(model, layout_of(degrees, AXES), training_for(inputs, model, knobs), gpu=inputs.gpu)
     return cache.stored(*args, **kw), cache.failure(*args, **kw)
 
 
@@ -174,7 +182,7 @@ def trace_one(inputs: PlanInputs, model: Any, cache: Any, degrees: tuple[int, ..
     from topomesh.sim.simulate import trace_layout
 
     try:
-        trace_layout(model, layout_of(degrees, AXES), training_for(inputs, model, knobs), cache)
+        trace_layout(model, layout_of(degrees, AXES), training_for(inputs, model, knobs), cache, gpu=inputs.gpu)
     except TopomeshError as exc:
         return str(exc)
     return None

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from topomesh.cost.cluster import AxisLink, Cluster, axis_link
+from topomesh.cost.devices import DeviceKind
 from topomesh.errors import LayoutError
 from topomesh.layout.dims import Axis, Layout
 from topomesh.layout.place import Placement, Strategy, locality_order
@@ -160,7 +161,7 @@ class Simulator:
     """Measured op times (``OpProfileDB.table(fingerprint)``); ops not in it use the roofline."""
 
     def trace(self, layout: Layout, training: Training) -> Trace:
-        return trace_layout(self.model, layout, training, self.cache)
+        return trace_layout(self.model, layout, training, self.cache, gpu=gpu_kernels(self.cluster))
 
     _memo: SimMemo = field(default_factory=lambda: SimMemo())
     _digests: DigestStore | None = None
@@ -174,7 +175,7 @@ class Simulator:
         if self._digests is None:
             self._digests = DigestStore(self.cache.directory)
             self._pricing = pricing_fingerprint(self.cluster, self.table)
-        args, kw = trace_request(self.model, layout, training)
+        args, kw = trace_request(self.model, layout, training, gpu=gpu_kernels(self.cluster))
         key = digest_key(self.cache.key(*args, **kw, optimizer=default_optimizer), self._pricing)
 
         def build() -> ClassDigest:
@@ -273,19 +274,28 @@ def mixed_precision(layout: Layout, training: Training) -> bool:
     return training.mixed_precision and sharded and DTYPES[training.dtype] is not torch.float32
 
 
-def trace_request(model: Model, layout: Layout, training: Training) -> tuple[tuple, dict]:
-    """The arguments of :meth:`TraceCache.get` for ``layout``'s class under ``training``."""
+def gpu_kernels(cluster: Cluster) -> bool:
+    """Whether ``cluster``'s steps are traced as a GPU runs them (:mod:`topomesh.trace.kernels`):
+    every cluster but one of CPU processes (``local``)."""
+    return cluster.device.kind is not DeviceKind.CPU
+
+
+def trace_request(model: Model, layout: Layout, training: Training, *, gpu: bool = False) -> tuple[tuple, dict]:
+    """The arguments of :meth:`TraceCache.get` for ``layout``'s class under ``training``
+    (``gpu``: traced as a GPU runs it, :func:`gpu_kernels`)."""
     degrees = {a.value: layout.degree(a) for a in layout.mesh_axes if a is not Axis.PP}
     mixed = mixed_precision(layout, training)
     dtype = torch.float32 if mixed else DTYPES[training.dtype]
     return (model.spec, model.parallelize(training, mixed), degrees), {"batch_size": training.micro_batch,
-                                                                         "dtype": dtype}
+                                                                         "dtype": dtype,
+                                                                         **({"gpu_kernels": True} if gpu else {})}
 
 
-def trace_layout(model: Model, layout: Layout, training: Training, cache: TraceCache | None = None) -> Trace:
+def trace_layout(model: Model, layout: Layout, training: Training, cache: TraceCache | None = None, *,
+                 gpu: bool = False) -> Trace:
     """The trace of ``layout``'s class under ``training``'s knobs (traced once per class)."""
     cache = cache if cache is not None else TraceCache()  # an empty cache is falsy (it has a length)
-    args, kw = trace_request(model, layout, training)
+    args, kw = trace_request(model, layout, training, gpu=gpu)
     return cache.get(*args, **kw)
 
 
@@ -312,7 +322,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     memo = memo or SimMemo()
     if digest is None:
         if trace is None:
-            trace = trace_layout(model, layout, training, cache)
+            trace = trace_layout(model, layout, training, cache, gpu=gpu_kernels(cluster))
         if model.spec.n_layers > trace.traced_layers:
             trace = trace.compose(model.spec.n_layers)  # the FLOPs of the whole model
         digest = memo_digest(trace, SymbolicPricer(cluster, table or {}, memo.ops), memo.digests)

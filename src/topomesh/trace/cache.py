@@ -258,6 +258,7 @@ class TraceCache:
         dtype: torch.dtype,
         optimizer: OptimizerFactory | None,
         ring_rounds: int | None = None,
+        gpu_kernels: bool = False,
     ) -> str:
         parts = (
             spec.key,
@@ -269,6 +270,7 @@ class TraceCache:
             torch.__version__,
             f"format{TRACE_FORMAT}",
             *((f"ring{ring_rounds}",) if ring_rounds else ()),
+            *(("gpu-kernels",) if gpu_kernels else ()),
         )
         return "|".join(parts)
 
@@ -281,20 +283,24 @@ class TraceCache:
         batch_size: int = 1,
         dtype: torch.dtype = torch.bfloat16,
         optimizer: OptimizerFactory | None = default_optimizer,
+        gpu_kernels: bool = False,
     ) -> Trace:
-        """The step of ``spec`` at full depth under ``layout``, traced at most once per class."""
+        """The step of ``spec`` at full depth under ``layout``, traced at most once per class
+        (``gpu_kernels``: as a GPU runs it, :func:`~topomesh.trace.tracer.trace_step`)."""
         wanted = dict(layout_class(layout))
         traced_class = shared_class(wanted)
 
         def exact() -> Trace:
-            return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer)
+            return self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer, gpu_kernels=gpu_kernels)
 
         if traced_class != wanted:
-            base = self.get(spec, parallelize, traced_class, batch_size=batch_size, dtype=dtype, optimizer=optimizer)
+            base = self.get(spec, parallelize, traced_class, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
+                            gpu_kernels=gpu_kernels)
             trace = self._derived((id(base.segments), tuple(sorted(wanted.items()))), base.segments,
                                   lambda: regroup(base, wanted), exact)
         elif wanted.get(Axis.CP.value, 1) > RING_ROUNDS:
-            parts = [self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer, ring_rounds=n)
+            parts = [self._get_exact(spec, parallelize, wanted, batch_size, dtype, optimizer, ring_rounds=n,
+                                     gpu_kernels=gpu_kernels)
                      for n in (RING_ROUNDS - 1, RING_ROUNDS)]
             trace = self._derived((id(parts[0].segments), id(parts[1].segments), wanted[Axis.CP.value]), parts,
                                   lambda: compose_rounds(parts[0], parts[1], wanted[Axis.CP.value]), exact)
@@ -324,29 +330,31 @@ class TraceCache:
         batch_size: int = 1,
         dtype: torch.dtype = torch.bfloat16,
         optimizer: OptimizerFactory | None = default_optimizer,
+        gpu_kernels: bool = False,
     ) -> bool:
         """Whether every trace :meth:`get` reads for ``layout`` is in memory or has a file (not
         opened: a bad file is still found, logged and traced again by :meth:`get`)."""
-        for key in self._read_keys(spec, parallelize, layout, batch_size, dtype, optimizer):
+        for key in self._read_keys(spec, parallelize, layout, batch_size, dtype, optimizer, gpu_kernels):
             path = self._path(key)
             if key not in self._traces and (path is None or not path.is_file()):
                 return False
         return True
 
     def _read_keys(self, spec: ModelSpec, parallelize: ParallelizeFn | None, layout: Mapping[str, int],
-                   batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None) -> list[str]:
+                   batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None,
+                   gpu_kernels: bool = False) -> list[str]:
         """The keys of the traces :meth:`get` reads for ``layout``: its shared class, as both
         short rings when its ring is composed."""
         wanted = shared_class(layout)
         rounds = (RING_ROUNDS - 1, RING_ROUNDS) if wanted.get(Axis.CP.value, 1) > RING_ROUNDS else (None,)
         return [self.key(spec, parallelize, wanted, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
-                         ring_rounds=n) for n in rounds]
+                         ring_rounds=n, gpu_kernels=gpu_kernels) for n in rounds]
 
     def _get_exact(self, spec: ModelSpec, parallelize: ParallelizeFn | None, layout: Mapping[str, int],
                    batch_size: int, dtype: torch.dtype, optimizer: OptimizerFactory | None,
-                   ring_rounds: int | None = None) -> Trace:
+                   ring_rounds: int | None = None, gpu_kernels: bool = False) -> Trace:
         key = self.key(spec, parallelize, layout, batch_size=batch_size, dtype=dtype, optimizer=optimizer,
-                       ring_rounds=ring_rounds)
+                       ring_rounds=ring_rounds, gpu_kernels=gpu_kernels)
         trace = self._traces.get(key) or self._load(key)
         if trace is None:
             failed = self._load_failure(key)
@@ -355,7 +363,7 @@ class TraceCache:
                 raise TraceError(failed)
             self.misses += 1
             kw = dict(n_layers=min(REUSE_LAYERS, spec.n_layers), batch_size=batch_size, dtype=dtype,
-                      optimizer=optimizer)
+                      optimizer=optimizer, **({"gpu_kernels": True} if gpu_kernels else {}))
             try:
                 if ring_rounds == RING_ROUNDS - 1:
                     trace = self._short_ring(spec, parallelize, layout, kw)
@@ -380,7 +388,7 @@ class TraceCache:
         wanted = dict(layout_class(layout))
         short, long = trace_rings(spec, parallelize, wanted, ring_rounds=RING_ROUNDS, **kw)
         key = self.key(spec, parallelize, layout, batch_size=kw["batch_size"], dtype=kw["dtype"],
-                       optimizer=kw["optimizer"], ring_rounds=RING_ROUNDS)
+                       optimizer=kw["optimizer"], ring_rounds=RING_ROUNDS, gpu_kernels=kw.get("gpu_kernels", False))
         if key not in self._traces:
             self._traces[key] = long
             self._store(key, long)
@@ -398,10 +406,11 @@ class TraceCache:
         batch_size: int = 1,
         dtype: torch.dtype = torch.bfloat16,
         optimizer: OptimizerFactory | None = default_optimizer,
+        gpu_kernels: bool = False,
     ) -> str | None:
         """Why ``layout``'s class (as :meth:`get` traces it) failed to trace before, when a
         stored failure says so (see :func:`_repeatable`); None otherwise."""
-        for key in self._read_keys(spec, parallelize, layout, batch_size, dtype, optimizer):
+        for key in self._read_keys(spec, parallelize, layout, batch_size, dtype, optimizer, gpu_kernels):
             failed = self._load_failure(key)
             if failed is not None:
                 return failed

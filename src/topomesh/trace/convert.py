@@ -29,6 +29,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from topomesh.layout.dims import Axis
 from topomesh.trace import chunks
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord, OpRecord, Phase, TensorMeta
+from topomesh.trace.kernels import ATEN_NAMES
 
 _SKIP = {
     "_operator.getitem",
@@ -168,7 +169,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def is_known(target: object) -> bool:
     """Whether the cost model can price ``target`` (FLOP formula, view, pointwise or a known family)."""
     packet = str(getattr(target, "overloadpacket", target))
-    if packet in _KNOWN_PACKETS or packet in _EXTRA_FLOPS:
+    if packet in _KNOWN_PACKETS or packet in _EXTRA_FLOPS or str(target) in ATEN_NAMES:
         return True
     if getattr(target, "overloadpacket", None) in flop_registry:
         return True
@@ -261,7 +262,7 @@ def _record(target: object, args: list, kwargs: dict, out: object, scalars: tupl
     if not getattr(target, "is_view", False) and str(packet) not in _VIEW_LIKE:
         moved = sum(_nbytes(t) for t in _tensors(args)) + sum(_nbytes(t) for t in _tensors(out))
     return OpRecord(
-        op=str(target), inputs=inputs, outputs=outputs, flops=flops, bytes_moved=moved,
+        op=ATEN_NAMES.get(str(target), str(target)), inputs=inputs, outputs=outputs, flops=flops, bytes_moved=moved,
         phase=phase, args=scalars,
     )
 

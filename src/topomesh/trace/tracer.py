@@ -62,6 +62,7 @@ from topomesh.models.transformer import Transformer, TransformerConfig
 from topomesh.trace import chunks
 from topomesh.trace.convert import GroupTable, is_known, node_records
 from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
+from topomesh.trace.kernels import GpuKernels
 from topomesh.trace.result import Part, Segment, StateBytes, Trace
 
 ParallelizeFn = Callable[[nn.Module, "dist.device_mesh.DeviceMesh"], "nn.Module | None"]
@@ -413,6 +414,7 @@ def trace_step(
     warm_up: bool = True,
     ring_rounds: int | None = None,
     fewer_views: bool = True,
+    gpu_kernels: bool = False,
 ) -> Trace:
     """Trace forward, backward and optimizer step of one rank under ``layout``.
 
@@ -432,10 +434,13 @@ def trace_step(
     ``fewer_views`` makes only the shard pieces FSDP2 reads (:mod:`topomesh.trace.chunks`:
     the same records, minutes less at shard degrees of thousands); off, it traces as PyTorch
     runs, for the test that compares the two.
+
+    ``gpu_kernels`` traces the step a GPU runs where a CPU build decomposes an op (fused
+    RMSNorm: :mod:`topomesh.trace.kernels`); for GPU clusters.
     """
     return _trace(spec, parallelize, layout, n_layers=n_layers, batch_size=batch_size, dtype=dtype,
                   split_blocks=split_blocks, optimizer=optimizer, warm_up=warm_up, ring_rounds=ring_rounds,
-                  fewer_views=fewer_views)[0]
+                  fewer_views=fewer_views, gpu_kernels=gpu_kernels)[0]
 
 
 def with_step_graph(
@@ -469,6 +474,7 @@ def trace_rings(
     batch_size: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     optimizer: OptimizerFactory | None = default_optimizer,
+    gpu_kernels: bool = False,
 ) -> tuple[Trace | None, Trace]:
     """The traces of :func:`trace_step` with ``ring_rounds - 1`` and ``ring_rounds`` rounds
     (``ring_rounds`` ≥ 3, ``cp`` above it), from one trace: the long ring's, and the same graph
@@ -485,7 +491,8 @@ def trace_rings(
     if ring_rounds < 3 or dict(layout).get(Axis.CP.value, 1) <= ring_rounds:
         raise ValueError(f"trace_rings needs ring_rounds >= 3 below the cp degree, not {ring_rounds} for {layout}")
     long, short = _trace(spec, parallelize, layout, n_layers=n_layers, batch_size=batch_size, dtype=dtype,
-                         optimizer=optimizer, ring_rounds=ring_rounds, cut_round=ring_rounds - 2)
+                         optimizer=optimizer, ring_rounds=ring_rounds, cut_round=ring_rounds - 2,
+                         gpu_kernels=gpu_kernels)
     return short, long
 
 
@@ -504,6 +511,7 @@ def _trace(
     fewer_views: bool = True,
     cut_round: int | None = None,
     on_graph: Callable[[torch.fx.GraphModule, GroupTable], None] | None = None,
+    gpu_kernels: bool = False,
 ) -> tuple[Trace, Trace | None]:
     """:func:`trace_step`, and with ``cut_round`` also the trace without that ring round.
     ``on_graph`` is called with the traced graph while the fake process group still exists."""
@@ -531,6 +539,7 @@ def _trace(
         cp = dict(axes).get(Axis.CP.value, 1) > 1
         try:
             with (fake, _CudaAttentionKernels() if cp else contextlib.nullcontext(),
+                  GpuKernels() if gpu_kernels else contextlib.nullcontext(),
                   limited_ring(ring_rounds, markers if cut_round else None) if cp and ring_rounds
                   else contextlib.nullcontext()):
                 inputs, labels = spec.make_inputs(batch_size)
