@@ -104,23 +104,34 @@ def _gpu_rms_norm(input: torch.Tensor, normalized_shape: Sequence[int], weight: 
     return torch.ops.topomesh.fused_rms_norm(input, list(normalized_shape), weight, eps)[0]
 
 
-class GpuKernels(torch.overrides.TorchFunctionMode):
-    """While on, ``F.rms_norm`` is issued as a GPU runs it (:func:`_gpu_rms_norm`). As with
-    the tracer's attention mode, calls that look the function up in ``torch.nn.functional``
-    get the replacement through the module attribute (also inside ``backward``, where the
-    mode is off while activation checkpointing recomputes the forward); the mode catches the
-    rest."""
+class Replaced(torch.overrides.TorchFunctionMode):
+    """While on, ``module.name`` is ``replacement`` instead of ``original``: calls that look the
+    function up in the module get it through the attribute, and calls of ``original`` looked
+    up before reach the mode, which hands them over. Both are needed: a mode is off while its
+    own handler runs a call, so inside ``backward`` (where activation checkpointing recomputes
+    the forward) only the module attribute still answers."""
 
-    def __enter__(self) -> GpuKernels:
-        F.rms_norm = _gpu_rms_norm
+    def __init__(self, module: object, name: str, original: object, replacement: object) -> None:
+        super().__init__()
+        self.module, self.name, self.original, self.replacement = module, name, original, replacement
+
+    def __enter__(self) -> Replaced:
+        setattr(self.module, self.name, self.replacement)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        F.rms_norm = _RMS_NORM
+        setattr(self.module, self.name, self.original)
         super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if func is _RMS_NORM:
-            return _gpu_rms_norm(*args, **kwargs)
+        if func is self.original:
+            return self.replacement(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+class GpuKernels(Replaced):
+    """While on, ``F.rms_norm`` is issued as a GPU runs it (:func:`_gpu_rms_norm`)."""
+
+    def __init__(self) -> None:
+        super().__init__(F, "rms_norm", _RMS_NORM, _gpu_rms_norm)

@@ -62,7 +62,7 @@ from topomesh.models.transformer import Transformer, TransformerConfig
 from topomesh.trace import chunks
 from topomesh.trace.convert import GroupTable, is_known, node_records
 from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
-from topomesh.trace.kernels import GpuKernels
+from topomesh.trace.kernels import GpuKernels, Replaced
 from topomesh.trace.result import Part, Segment, StateBytes, Trace
 
 ParallelizeFn = Callable[[nn.Module, "dist.device_mesh.DeviceMesh"], "nn.Module | None"]
@@ -263,30 +263,15 @@ def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object
     return _SDPA(q, k, v, *rest, **kwargs)
 
 
-class _CudaAttentionKernels(torch.overrides.TorchFunctionMode):
+class _CudaAttentionKernels(Replaced):
     """Issue causal/plain ``F.scaled_dot_product_attention`` on CPU tensors as the CUDA flash
     kernel, ``aten._scaled_dot_product_flash_attention``, so PyTorch's context-parallel rules
     (written for the CUDA kernels) apply in a CPU trace. Calls with a mask, dropout, GQA or
-    CUDA tensors pass through unchanged.
+    CUDA tensors pass through unchanged (:class:`~topomesh.trace.kernels.Replaced` says how
+    calls reach :func:`_flash_sdpa`)."""
 
-    Calls that look the function up in ``torch.nn.functional`` get :func:`_flash_sdpa` while the
-    mode is on; the mode catches the others. Both are needed: a mode is off while its own
-    handler runs a call, so inside ``backward`` (where activation checkpointing recomputes the
-    forward) only the module attribute still answers."""
-
-    def __enter__(self) -> _CudaAttentionKernels:
-        F.scaled_dot_product_attention = _flash_sdpa
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        F.scaled_dot_product_attention = _SDPA
-        super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        if func is _SDPA:
-            return _flash_sdpa(*args, **kwargs)
-        return func(*args, **kwargs)
+    def __init__(self) -> None:
+        super().__init__(F, "scaled_dot_product_attention", _SDPA, _flash_sdpa)
 
 
 def _cp_inputs(
