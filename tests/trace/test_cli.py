@@ -82,3 +82,13 @@ def test_layout_spec_equals_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert by_spec["collectives"] == by_flags["collectives"] and by_spec["flops"] == by_flags["flops"]
     assert main(["trace", "tiny-llama", "--tp", "2", "--layout", "tp=4"]) == 2
     assert "tp is 2 by its flag but 4 in --layout" in capsys.readouterr().err
+
+
+def test_trace_gpu_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "tiny-llama", "--no-optimizer", "--json", "--gpu-kernels"]) == 0
+    ops = json.loads(capsys.readouterr().out)["op_counts"]
+    # 2 blocks of 2 norms and the final norm, one fused kernel each way; no CPU composite left
+    assert ops["aten._fused_rms_norm.default"] == ops["aten._fused_rms_norm_backward.default"] == 5
+    assert "aten.rsqrt.default" not in ops
+    assert main(["trace", "tiny-llama", "--no-optimizer", "--json"]) == 0
+    assert "aten._fused_rms_norm.default" not in json.loads(capsys.readouterr().out)["op_counts"]

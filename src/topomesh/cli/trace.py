@@ -7,7 +7,8 @@ Example::
 
 The model is traced with one block and composed to its full depth (``--full`` traces
 every block instead). Prints ops by kind, FLOPs per phase, collectives by kind / mesh axis /
-phase with bytes per step on one rank, and ops the cost model does not know.
+phase with bytes per step on one rank, and ops the cost model does not know. ``--gpu-kernels``
+traces the step a GPU runs where a CPU build decomposes an op (:mod:`topomesh.trace.kernels`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpointing", choices=[c.value for c in Checkpointing], default="none")
     p.add_argument("--no-optimizer", action="store_true", help="trace forward and backward only")
     p.add_argument("--full", action="store_true", help="trace every block instead of composing from one")
+    p.add_argument("--gpu-kernels", action="store_true",
+                   help="trace the step as a GPU runs it (fused RMSNorm), as simulate and plan do for GPU clusters")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             spec, make_parallelize(options), layout, n_layers=traced, batch_size=args.batch_size,
             dtype=torch.float32 if args.mixed_precision else compute,
             optimizer=None if args.no_optimizer else default_optimizer,
-            split_blocks=not args.full,
+            split_blocks=not args.full, gpu_kernels=args.gpu_kernels,
         )
     if not args.full and cfg.n_layers > traced:
         trace = trace.compose(cfg.n_layers)
