@@ -66,6 +66,23 @@ def test_profile_a_traced_preset_under_a_layout(tmp_path, capsys):
     assert "not AXIS=DEGREE" in capsys.readouterr().err
 
 
+def test_profile_takes_a_model_json_as_simulate_does(tmp_path, capsys):
+    cfg = {"name": "p-test", "arch": "llama", "n_layers": 3, "hidden": 32, "n_heads": 4, "n_kv_heads": 2,
+           "ffn_hidden": 64, "vocab_size": 64, "seq_len": 16}
+    counts = []
+    for layers in (3, 4):
+        (tmp_path / "m.json").write_text(json.dumps({**cfg, "n_layers": layers}))
+        assert main(["profile", "--model", str(tmp_path / "m.json"), "--db", str(tmp_path / "o.sqlite"),
+                     "--no-profile", "--spec", "A100-SXM4-80GB", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        counts.append(data["ops"])
+    assert counts[1] > counts[0] > 0  # the file's depth is what was traced
+    (tmp_path / "bad.json").write_text(json.dumps({**cfg, "n_heads": 5}))
+    assert main(["profile", "--model", str(tmp_path / "bad.json"), "--no-profile", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("topomesh: error:") and err.count("\n") == 1, err
+
+
 _MM = {"op": "aten.mm.default", "inputs": [{"shape": [4, 4], "dtype": "float32", "stride": [4, 1]}] * 2,
        "outputs": [{"shape": [4, 4], "dtype": "float32", "stride": [4, 1]}], "flops": 128, "args": []}
 

@@ -1,8 +1,9 @@
 """``topomesh profile``: time every distinct op of a traced step on this device.
 
-Ops come from a trace of a built-in model preset under a layout (``--model tiny-llama
---layout tp=2,dp_shard=2``: :func:`topomesh.trace.tracer.trace_step` on two blocks,
-composed to the preset's depth) or from a JSON file of op records (``--records``, the
+Ops come from a trace of a model under a layout (``--model tiny-llama --layout
+tp=2,dp_shard=2``; a preset, a JSON config or ``path.py:fn`` as ``simulate`` takes them:
+:func:`topomesh.trace.tracer.trace_step` on two blocks, composed to the model's depth; with
+``--device cuda`` traced as a GPU runs it, :mod:`topomesh.trace.kernels`) or from a JSON file of op records (``--records``, the
 format :func:`topomesh.cost.ops.records_to_json` writes: a list of objects with ``op``,
 ``inputs``/``outputs`` as ``{"shape", "dtype", "stride"}``, ``flops``, ``bytes_moved``,
 ``phase`` and ``args``). Each distinct signature not yet in the shared op-profile table
@@ -32,7 +33,9 @@ HELP = "Profile each distinct op of a traced step on this device into the shared
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="PRESET", help="built-in model preset to trace (e.g. tiny-llama, llama3-8b)")
+    src.add_argument("--model", metavar="PRESET|FILE.json|PATH.py:FN",
+                     help="model to trace, as simulate takes it: a preset (tiny-llama, llama3-8b), a JSON file of "
+                          "TransformerConfig fields, or path.py:function")
     src.add_argument("--records", type=Path, metavar="FILE",
                      help="JSON list of op records (see docs/cost.md for the format)")
     p.add_argument("--layout", default="dp_shard=1", metavar="AXIS=N,...",
@@ -59,16 +62,20 @@ def _load(path: Path) -> list[Any]:
 def _trace_records(args: argparse.Namespace) -> list[OpRecord]:
     import torch
 
-    from topomesh.models.parallelize import make_parallelize
-    from topomesh.models.presets import get_preset
-    from topomesh.trace.tracer import trace_step, transformer_spec
+    from topomesh.sim.inputs import load_model
+    from topomesh.sim.simulate import Training
+    from topomesh.trace.tracer import trace_step
 
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise TraceError(f"--dtype {args.dtype!r} is not a torch dtype")
-    spec = transformer_spec(get_preset(args.model), seq_len=args.seq_len)
+    model = load_model(args.model, seq_len=args.seq_len)
+    spec = model.spec
+    # the built-in parallelize's defaults (sequence parallel, no recomputation), no mixed precision
+    parallelize = model.parallelize(Training(global_batch=args.batch_size, micro_batch=args.batch_size,
+                                             seq_len=model.seq_len), False)
     traced = min(2, spec.n_layers)
-    trace = trace_step(spec, make_parallelize(), parse_degrees(args.layout), n_layers=traced,
+    trace = trace_step(spec, parallelize, parse_degrees(args.layout), n_layers=traced,
                        batch_size=args.batch_size, dtype=dtype, gpu_kernels=args.device.startswith("cuda"))
     if spec.n_layers > traced:
         trace = trace.compose(spec.n_layers)
