@@ -11,7 +11,8 @@
 # 8 layers, hidden 2048, 2 micro-batches of 2 x 2048 tokens), OUTDIR/validate_gpu_8b.json
 # (benchmarks/validate_gpu_llama8b.json: 4 Llama-3-8B layers and its vocabulary, 2 micro-batches
 # of 1 x 4096 tokens), OUTDIR/ops.sqlite and OUTDIR/step_profile.json. Each part runs even
-# when one before it failed.
+# when one before it failed. The repo keeps them in benchmarks/data/gpu/ with the GPU's name
+# appended (validate_gpu_h200.json, h200_ops.sqlite, ...).
 set -u
 out=${1:?usage: bash benchmarks/gpu_validate.sh OUTDIR}
 mkdir -p "$out"
