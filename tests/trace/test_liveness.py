@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -87,3 +90,42 @@ def test_what_a_segment_makes_from_parameters_alone():
     where = {n: 0 for n in gm.graph.nodes}
     _, _, made = _liveness(gm, where, [(Phase.FORWARD, None)])
     assert made == {0: 4 * N + 2 * N}
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("gpu_kernels", [False, True])
+def test_kept_bytes_compose_from_one_block_as_from_three(checkpointing, gpu_kernels):
+    """A kept tensor is charged to the segment whose backward reads it, so a one-block trace
+    composed to six blocks keeps what a three-block trace composed to six keeps. Charged to the
+    block that made it, the fused final norm's input (the last block's output) was counted once
+    per composed block under checkpointing, where each block also keeps its own input."""
+    from topomesh.models.parallelize import Checkpointing, ParallelOptions, make_parallelize
+    from topomesh.models.presets import get_preset
+    from topomesh.trace.tracer import trace_step, transformer_spec
+
+    cfg = dataclasses.replace(get_preset("tiny-llama"), n_layers=3)
+    spec = transformer_spec(cfg)
+    par = make_parallelize(ParallelOptions(checkpointing=Checkpointing(checkpointing)))
+
+    def kept(traced: int) -> int:
+        t = trace_step(spec, par, {"dp_shard": 1}, n_layers=traced, gpu_kernels=gpu_kernels).compose(6)
+        return sum(s.saved_bytes * m for s, m in zip(t.segments, t.multiplicities(), strict=True))
+
+    assert kept(1) == kept(3) > 0
+
+
+def test_the_head_keeps_the_last_blocks_output_for_the_final_norm():
+    from topomesh.models.parallelize import make_parallelize
+    from topomesh.models.presets import get_preset
+    from topomesh.trace.result import Part
+    from topomesh.trace.tracer import trace_step, transformer_spec
+
+    cfg = get_preset("tiny-llama")
+    t = trace_step(transformer_spec(cfg), make_parallelize(), {"dp_shard": 1}, n_layers=1, gpu_kernels=True)
+    fwd = {s.part: s.saved_bytes for s in t.segments if s.phase is Phase.FORWARD}
+    hidden = cfg.seq_len * cfg.hidden * 2  # one bf16 hidden state of the micro-batch
+    # the embedding's output is the block's input, kept by the block's first norm: the block's;
+    # the pre-block part keeps nothing
+    assert Part.REST in fwd and min(fwd[Part.BLOCK], fwd[Part.REST]) >= hidden
+    pre = next(s for s in t.segments if s.phase is Phase.FORWARD)
+    assert pre.part is Part.REST and pre.saved_bytes == 0

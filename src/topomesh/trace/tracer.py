@@ -809,6 +809,37 @@ def _prefetches(
     return {i: tuple(r for n in sorted(set(nodes), key=order) for r in records.get(n, ())) for i, nodes in out.items()}
 
 
+def _forward_of(keys: Sequence[tuple[Phase, int | None]]) -> dict[int, int]:
+    """Backward segment index -> the forward segment of the same part: a block's backward ->
+    that block's forward; the rest before a phase's blocks <-> the rest after them (backward
+    runs the head first, the embedding last). Segments with no counterpart are left out.
+
+    >>> F, B = Phase.FORWARD, Phase.BACKWARD
+    >>> _forward_of([(F, None), (F, 0), (F, 1), (F, None), (B, None), (B, 1), (B, 0), (B, None)])
+    {4: 3, 5: 2, 6: 1, 7: 0}
+    """
+    def sides(phase: Phase) -> tuple[list[int], list[int]]:
+        blocks = [i for i, (ph, lay) in enumerate(keys) if ph is phase and lay is not None]
+        rests = [i for i, (ph, lay) in enumerate(keys) if ph is phase and lay is None]
+        if not blocks:
+            return [], []
+        return [i for i in rests if i < blocks[0]], [i for i in rests if i > blocks[-1]]
+
+    block_fwd: dict[int, int] = {}
+    for i, (ph, lay) in enumerate(keys):
+        if ph is Phase.FORWARD and lay is not None:
+            block_fwd.setdefault(lay, i)
+    out = {i: block_fwd[lay] for i, (ph, lay) in enumerate(keys)
+           if ph is Phase.BACKWARD and lay is not None and lay in block_fwd}
+    fwd_before, fwd_after = sides(Phase.FORWARD)
+    bwd_before, bwd_after = sides(Phase.BACKWARD)
+    if len(fwd_after) == 1:
+        out.update(dict.fromkeys(bwd_before, fwd_after[0]))  # the head's backward
+    if len(fwd_before) == 1:
+        out.update(dict.fromkeys(bwd_after, fwd_before[0]))  # the embedding's backward
+    return dict(sorted(out.items()))
+
+
 def _liveness(
     gm: torch.fx.GraphModule, where: Mapping[torch.fx.Node, int], keys: Sequence[tuple[Phase, int | None]]
 ) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
@@ -817,8 +848,12 @@ def _liveness(
 
     A tensor is kept for backward when a forward node computed from the step's inputs
     (placeholders; parameters enter as constants, so weights and their transposes are not
-    activations) has a user in the backward phase. Views share their base's storage and are
-    counted once, by storage, in the segment that first keeps it.
+    activations) has a user in the backward phase. It is counted once, by storage (views share
+    their base's), in the forward segment whose backward reads it (:func:`_forward_of`): a
+    block's output that the next block's norm keeps is that block's, the last block's output
+    that the final norm keeps is the head's. Charged to the block that made it, a one-block
+    trace composed to n blocks counted the final norm's input n times, and under activation
+    checkpointing, where each block keeps its own input, once more per block.
 
     A segment's temporaries are the storages its nodes computed from the step's inputs make
     and last read inside it (views and in-place ops extend a storage's life to their own last
@@ -841,6 +876,7 @@ def _liveness(
         return [t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
 
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    counterpart = _forward_of(keys)
     from_input: set[torch.fx.Node] = set()
     external: set[object] = set()  # storages of the step's inputs, parameters and state
     from_params: set[torch.fx.Node] = set()  # parameters (constants) and what is made from them alone
@@ -861,11 +897,12 @@ def _liveness(
         vals = tensors(node.meta.get("val"))
         if not vals or node.op != "call_function":
             continue
-        if keys[seg][0] is Phase.FORWARD and node in from_input and \
-                any(u in where and keys[where[u]][0] is Phase.BACKWARD for u in node.users):
+        readers = {where[u] for u in node.users if u in where and keys[where[u]][0] is Phase.BACKWARD}
+        if keys[seg][0] is Phase.FORWARD and node in from_input and readers:
+            keeper = min((c for r in readers if (c := counterpart.get(r)) is not None and c >= seg), default=seg)
             for t in vals:
                 st = t.untyped_storage()
-                owner.setdefault(StorageWeakRef(st).cdata, (seg, st.nbytes()))
+                owner.setdefault(StorageWeakRef(st).cdata, (keeper, st.nbytes()))
         users = [u for u in node.users if u in where]
         escapes = any(where[u] != seg or u.op == "output" for u in users)
         last = max([order[node], *(order[u] for u in users if where[u] == seg)])
