@@ -21,7 +21,7 @@ import topomesh.trace.cache as cache_mod
 from topomesh.errors import TraceError
 from topomesh.models.parallelize import ParallelOptions, make_parallelize
 from topomesh.models.presets import get_preset
-from topomesh.trace.cache import TraceCache, callable_key, layout_class
+from topomesh.trace.cache import TRACE_FORMAT, TraceCache, callable_key, layout_class
 from topomesh.trace.tracer import default_optimizer, transformer_spec
 
 
@@ -116,8 +116,8 @@ def test_files_are_private_json_and_hold_the_full_key(fast: list[dict], tmp_path
     assert path.name == hashlib.sha256(key.encode()).hexdigest()[:32] + ".trace.json.gz"
     assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
     doc = json.loads(gzip.decompress(path.read_bytes()))
-    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", 8, key)
-    assert key.endswith("|format8")
+    assert (doc["format"], doc["version"], doc["key"]) == ("topomesh-trace", TRACE_FORMAT, key)
+    assert key.endswith(f"|format{TRACE_FORMAT}")
     body = doc["trace"]["trace"]
     assert body["layout"] == [["tp", 2]] and body["model"] == trace.model
     # each distinct record once; segments list indices
@@ -181,7 +181,7 @@ def _first_op(doc: dict) -> dict:
         (lambda doc: doc["trace"]["trace"]["segments"][0].update(prefetch="0"), "prefetch: expected a list of record indices"),
         (lambda doc: doc["trace"].update(extra=[]), "expected an object with exactly 'records' and 'trace'"),
         (lambda doc: doc.update(key="someone else's key"), "stored for a different key"),
-        (lambda doc: doc.update(version=7), "not a topomesh-trace file of version 8"),
+        (lambda doc: doc.update(version=TRACE_FORMAT - 1), f"not a topomesh-trace file of version {TRACE_FORMAT}"),
     ],
 )
 def test_a_tampered_entry_is_ignored_and_replaced(fast, tmp_path, caplog, edit, reason) -> None:  # noqa: ANN001
