@@ -152,3 +152,19 @@ def test_a_class_that_failed_to_trace_is_reported_again_without_tracing(tmp_path
     assert calls == [] and "trace_and_digest" not in tasks  # no tracing task: every class stored or failed
     assert again.failed == first.failed and again.extra["trace_errors"] == 2
     assert [e.result.to_dict() for e in again.entries] == [e.result.to_dict() for e in first.entries]
+
+
+@pytest.mark.parametrize("where", [
+    {"cluster": "dgx-h100", "gpus": 8},
+    {"cluster": "local", "gpus": 2},
+    {"topology": "examples/data/real/nvidia-smi-topo/h100-sxm-8gpu-12nic.txt", "device": "H100-SXM5-80GB"},
+    {"topology": "examples/data/real/nvidia-smi-topo/h100-sxm-8gpu-12nic.txt", "device": "cpu"},
+])
+def test_the_search_traces_as_the_simulator_of_its_cluster_does(where):
+    """The tracing stage decides GPU kernels without building the cluster; scoring decides on the
+    cluster. Apart, one would trace every class again."""
+    from topomesh.search.evaluate import build_cluster
+    from topomesh.sim.simulate import gpu_kernels
+
+    inputs = PlanInputs(model="tiny-llama", global_batch=8, **where)
+    assert inputs.gpu == gpu_kernels(build_cluster(inputs))

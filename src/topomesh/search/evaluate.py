@@ -55,9 +55,13 @@ class PlanInputs:
     @property
     def gpu(self) -> bool:
         """Whether the cluster's ranks are GPUs, whose steps are traced as a GPU runs them
-        (:func:`~topomesh.sim.simulate.gpu_kernels`): all but the ``local`` cluster of CPU processes."""
+        (:func:`~topomesh.sim.simulate.gpu_kernels`), told without building the cluster: all
+        but the ``local`` preset and a topology file priced as this CPU (``--device cpu``), as
+        :func:`~topomesh.sim.inputs.cluster_from_args` builds them."""
         from topomesh.cost.cluster import LOCAL
 
+        if self.topology is not None:
+            return (self.device or "").lower() != "cpu"
         return self.cluster != LOCAL
 
 
