@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     cache = TraceCache(default_directory())
     worlds = sorted({lay.world_size for _, lay in layouts})
     cluster_name = preset_for_device(current_device_spec(args.device)) if gpu else LOCAL
+    # a GPU's one rank has no collective to sweep, and its ops are timed as kernels: no replay
+    sweep_each_pass, in_step_on = args.sweep_each_pass and not gpu, args.in_step and not gpu
 
     def collectives(tag: str) -> tuple[dict, dict]:
         """The collective profile (one more sweep pooled with the saved ones, or the saved one
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         cluster of one rank, which has no collective to price."""
         if gpu:
             return {}, {1: load_cluster(cluster_name, gpus=1)}
-        if args.sweep_each_pass:  # between the passes' runs
+        if sweep_each_pass:  # between the passes' runs
             with err.status(f"{tag}collective sweep ({max(worlds)} processes), pooled with the saved ones"):
                 path = pooled_collectives(max(worlds))
         else:
@@ -173,11 +175,11 @@ def run(args: argparse.Namespace) -> int:
     passes: dict[str, list] = {text: [] for text, _ in layouts}
     for n in range(args.repeats):  # the layouts in turn: a slow spell of the VM falls on all of them
         tag = f"run {n + 1}/{args.repeats}: " if args.repeats > 1 else ""
-        if n and args.sweep_each_pass and not gpu:
+        if n and sweep_each_pass:
             profile, clusters = collectives(tag)
         for text, lay in layouts:
             in_step: dict[str, dict] = {}
-            if args.in_step and not gpu:  # just before the real run: this VM's speed drifts over minutes
+            if in_step_on:  # just before the real run: this VM's speed drifts over minutes
                 with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed)"):
                     in_step = in_step_tables(args.model, args.seq_len, [(text, lay)], training, threads=args.threads)
             # one simulator per layout: op times are memoized per simulator, and each layout has its own
@@ -190,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
             passes[text].append((predicted, record))
     results = [pooled_result(text, passes[text]) for text, _ in layouts]
     report = compare(results)
-    report.update({"model": model.spec.name, "device": record.get("device", args.device),
+    ran_on = next(rec.get("device", args.device) for runs in passes.values() for _, rec in runs)
+    report.update({"model": model.spec.name, "device": ran_on,
                    "cluster": cluster_name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
                    "warmup": args.warmup, "repeats": args.repeats, "cpus": len(allowed_cpus()),
                    "collective_profile": profile,
