@@ -23,6 +23,20 @@ def test_created_with_parents_and_mode_0700(tmp_path: Path) -> None:
     d = private_directory(tmp_path / "a" / "b", what="test directory", error=LaunchError)
     assert d == tmp_path / "a" / "b" and d.is_dir() and _mode(d) == 0o700
     assert private_directory(d, what="test directory", error=LaunchError) == d  # existing private dir: fine
+    assert _mode(tmp_path / "a") == 0o700  # a parent made here is private too
+
+
+def test_trace_cache_first_leaves_the_cache_root_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fresh home the trace cache (``<root>/traces``) is often made first; the cache root
+    it creates on the way must pass the op database's own check afterwards."""
+    from topomesh.cost.devices import private_cache_dir
+    from topomesh.trace.cache import TraceCache, default_directory
+
+    monkeypatch.delenv("TOPOMESH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert TraceCache(default_directory()).directory is not None
+    assert (tmp_path / "xdg" / "topomesh" / "traces").is_dir()
+    assert private_cache_dir() == tmp_path / "xdg" / "topomesh"
 
 
 @pytest.mark.parametrize("mode", [0o750, 0o705, 0o770, 0o777, 0o701])

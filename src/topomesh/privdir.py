@@ -29,13 +29,18 @@ log = logging.getLogger("topomesh")
 def private_directory(path: str | os.PathLike[str], *, what: str, error: type[TopomeshError]) -> Path:
     """``path`` as a directory only this user can use, created (mode 0700) if missing.
 
-    Missing parents are created too (with the default mode; only the leaf must be private).
+    Missing parents are created too, each with mode 0700: a parent this call creates may
+    itself be checked as private later (the trace cache's ``~/.cache/topomesh/traces`` makes
+    ``~/.cache/topomesh``, which the op database then requires private). Parents that exist
+    are left as they are.
     ``what`` names the directory in messages (e.g. ``"trace cache directory"``); problems
     raise ``error`` with one sentence naming the directory and what is wrong with it.
     """
     p = Path(path)
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
+        for parent in reversed(p.parents):
+            if not parent.exists():
+                parent.mkdir(mode=0o700, exist_ok=True)
         p.mkdir(mode=0o700, exist_ok=True)
         st = p.lstat()
     except (FileExistsError, NotADirectoryError):
