@@ -14,7 +14,8 @@ from topomesh.sim.simulate import _stage_plan
 from topomesh.trace.result import StateBytes
 
 
-def _priced(*, rate: float, block_reduce_bytes: int = 0, block_gather_bytes: int = 0) -> PricedClass:
+def _priced(*, rate: float, block_reduce_bytes: int = 0, block_gather_bytes: int = 0,
+            fsdp_rate: float | None = None) -> PricedClass:
     # per block: forward 0.5 s, backward 1.0 s; 1000 B of gradients per block, 200 B in the
     # embedding, 300 B in the head (as the optimizer sees them); ``rate`` per byte moved
     empty = Work()
@@ -22,7 +23,8 @@ def _priced(*, rate: float, block_reduce_bytes: int = 0, block_gather_bytes: int
                        bwd_block=Work(compute_s=1.0, reduce_bytes=block_reduce_bytes, gather_bytes=block_gather_bytes), bwd_pre=empty,
                        opt_block=empty, opt_first=empty, opt_last=empty,
                        block_state=StateBytes(grads=1000), first_state=StateBytes(grads=200),
-                       last_state=StateBytes(grads=300), boundary_bytes=0, grad_add_s_per_byte=rate)
+                       last_state=StateBytes(grads=300), boundary_bytes=0, grad_add_s_per_byte=rate,
+                       fsdp_grad_add_s_per_byte=rate if fsdp_rate is None else fsdp_rate)
 
 
 def _compute(pieces) -> float:  # noqa: ANN001
@@ -52,8 +54,10 @@ def test_a_pipeline_stage_with_fsdp_adds_its_unsharded_gradients():
     # float32 until the last backward: 4000 B a block (the reduction's input) where the
     # optimizer sees a 1000 B shard, and adds the new bfloat16 ones, 2000 B (as many as the
     # gathered parameters): 2 x 4000 + 2000 B moved. A middle stage (no embedding, no head) of
-    # 2 blocks at 1 ms a byte: every backward but the last 2 x (1 + 10) s, the last 2 s.
-    plan = _stage_plan(_priced(rate=1e-3, block_reduce_bytes=4000, block_gather_bytes=2000), 1, 3, 2, pipelined=True)
+    # 2 blocks at 1 ms a byte: every backward but the last 2 x (1 + 10) s, the last 2 s. (Its
+    # own rate: the plain one, for the parameters' dtype, is set apart.)
+    plan = _stage_plan(_priced(rate=0.5e-3, fsdp_rate=1e-3, block_reduce_bytes=4000, block_gather_bytes=2000), 1, 3, 2,
+                       pipelined=True)
     assert _compute(plan.backward_early) == pytest.approx(22.0) and _compute(plan.backward) == pytest.approx(2.0)
     assert _compute(plan.backward_weight_early) - _compute(plan.backward_weight) == pytest.approx(20.0)
     # without FSDP the stage adds the gradients the optimizer sees: 2 x (1 + 3) s; the first
@@ -98,6 +102,44 @@ def test_a_step_of_several_micro_batches_pays_the_adds(monkeypatch):
 
     real = price.grad_add_s_per_byte
     with_adds, grads = step(real)
-    without, _ = step(lambda pricer: 0.0)
+    asked = []
+    without, _ = step(lambda pricer, *dtypes: asked.append(dtypes) or 0.0)
+    # every add in the parameters' dtype (bf16; no FSDP, so no mixed precision)
+    assert asked and all(a == ("bfloat16", "bfloat16") for a in asked)
     assert grads > 0
     assert with_adds - without == pytest.approx(3 * grads * 3 / (3350e9 * 0.9), rel=1e-6)
+
+
+def test_the_add_is_priced_in_the_gradients_dtypes():
+    """The probe is added in the gradients' own dtypes: a measured bfloat16 add (64 MiB kept,
+    32 Mi elements, 2 + 2 + 2 bytes moved each) and float32 += bfloat16 (16 Mi elements,
+    4 + 4 + 2 bytes each) give their own rates; a dtype the table lacks falls to the roofline."""
+    from topomesh.cost.cluster import load_cluster
+    from topomesh.cost.ops import profile_key
+    from topomesh.sim.price import grad_add_record
+
+    h100 = load_cluster("dgx-h100", gpus=8)
+    bf16, mixed = grad_add_record("bfloat16"), grad_add_record("float32", "bfloat16")
+    assert bf16.inputs[0].shape == (32 * 2**20,) and bf16.bytes_moved == 32 * 2**20 * 6
+    assert mixed.inputs[1].dtype == "bfloat16" and mixed.bytes_moved == 16 * 2**20 * 10
+    pricer = Pricer(h100, lambda _: None, {profile_key(bf16): 0.030, profile_key(mixed): 0.040})
+    assert grad_add_s_per_byte(pricer, "bfloat16") == pytest.approx(0.030 / (32 * 2**20 * 6), rel=1e-9, abs=0)
+    assert grad_add_s_per_byte(pricer, "float32", "bfloat16") == pytest.approx(0.040 / (16 * 2**20 * 10), rel=1e-9, abs=0)
+    assert grad_add_s_per_byte(pricer, "float32") == pytest.approx(1 / (3350e9 * 0.9), rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize(("degrees", "mixed", "want"), [
+    ({"dp_shard": 1}, False, (("bfloat16", "bfloat16"), ("bfloat16", "bfloat16"))),
+    ({"dp_shard": 2}, True, (("float32", "float32"), ("float32", "bfloat16"))),  # FSDP2: f32 reduce, bf16 gather
+])
+def test_the_gradient_dtypes_come_from_the_trace(degrees, mixed, want):
+    from topomesh.cost.cluster import load_cluster
+    from topomesh.layout.dims import Layout
+    from topomesh.models.presets import get_preset
+    from topomesh.sim.price import grad_add_dtypes, grad_add_records
+    from topomesh.sim.simulate import Simulator, Training, builtin_model
+
+    sim = Simulator(model=builtin_model(get_preset("tiny-llama")), cluster=load_cluster("dgx-h100", gpus=2))
+    trace = sim.trace(Layout(**degrees), Training(global_batch=4, dtype="bf16", mixed_precision=mixed))
+    assert grad_add_dtypes(trace) == want
+    assert {(r.inputs[0].dtype, r.inputs[1].dtype) for r in grad_add_records(trace)} == set(want)

@@ -16,7 +16,7 @@ from topomesh.cost.cluster import load_cluster
 from topomesh.cost.ops import profile_key
 from topomesh.layout.dims import Layout
 from topomesh.models.presets import get_preset
-from topomesh.sim.digest import digest_from_json, digest_to_json
+from topomesh.sim.digest import DIGEST_FORMAT, digest_from_json, digest_to_json
 from topomesh.sim.simulate import Simulator, Training, builtin_model, simulate
 from topomesh.trace.cache import TraceCache
 from topomesh.trace.graph import OpRecord
@@ -97,7 +97,7 @@ def _tamper(path: Path, edit) -> None:  # noqa: ANN001
         (lambda doc: doc["digest"]["records"][0].update(group_size=0), "group_size 0 is not in"),
         (lambda doc: doc["digest"]["digest"].update(traced_layers=0), "traced_layers: must be at least 1"),
         (lambda doc: doc.update(key="someone else's key"), "stored for a different key"),
-        (lambda doc: doc.update(version=0), "not a topomesh-digest file of version 2"),
+        (lambda doc: doc.update(version=0), f"not a topomesh-digest file of version {DIGEST_FORMAT}"),
         (lambda doc: doc["digest"]["pieces"]["fwd_block"].update(  # one time too many
             blocking_gaps=[*doc["digest"]["pieces"]["fwd_block"].get("blocking_gaps", []), 0.5]),
          "blocking_gaps: expected a time per blocking record"),

@@ -429,7 +429,7 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
             self.cluster = cluster
 
         def trace(self, layout, training):  # noqa: ANN001, ANN202
-            return SimpleNamespace(traced_layers=99, events=list)
+            return SimpleNamespace(traced_layers=99, events=list, segments=(), dtype="float32")
 
         def simulate(self, layout, training):  # noqa: ANN001, ANN202
             return _Prediction(next(predictions))

@@ -443,7 +443,8 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
 
 def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool) -> tuple[Piece, ...]:
     """Backward ``pieces`` with the add of their gradients into the kept ones, which reads the
-    kept and the new gradients and writes the kept, at :attr:`PricedClass.grad_add_s_per_byte`.
+    kept and the new gradients and writes the kept, at :attr:`PricedClass.grad_add_s_per_byte`
+    (FSDP2's unsharded ones under a pipeline at :attr:`PricedClass.fsdp_grad_add_s_per_byte`).
     Kept: the gradients the optimizer sees (:attr:`StateBytes.grads`, the parameters' dtype
     and sharding; FSDP2 reduces each micro-batch's and adds the shard), new ones alike; under
     a pipeline with FSDP each unit's unsharded gradient in the reduce dtype (the reduction's
@@ -455,10 +456,10 @@ def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool)
     for pc in pieces:
         w = pc.work
         if pipelined and w.reduce_bytes:
-            moved = 2 * w.reduce_bytes + (w.gather_bytes or w.reduce_bytes)
+            add_s = (2 * w.reduce_bytes + (w.gather_bytes or w.reduce_bytes)) * p.fsdp_grad_add_s_per_byte
         else:
-            moved = 3 * state[pc.label.split()[0]].grads
-        out.append(dataclasses.replace(pc, work=dataclasses.replace(w, compute_s=w.compute_s + moved * p.grad_add_s_per_byte)))
+            add_s = 3 * state[pc.label.split()[0]].grads * p.grad_add_s_per_byte
+        out.append(dataclasses.replace(pc, work=dataclasses.replace(w, compute_s=w.compute_s + add_s)))
     return tuple(out)
 
 
