@@ -243,19 +243,38 @@ class StagePlan:
     forward_later: tuple[Piece, ...] | None = None
     """Forward of every micro-batch but the stage's first, when it differs (FSDP under a
     pipeline gathers parameters once per step: PyTorch's stage keeps them unsharded)."""
+    backward_first: tuple[Piece, ...] | None = None
+    """Backward (or W) of the stage's first micro-batch when it is not also its last: nothing
+    kept yet to add into (autograd's first ``AccumulateGrad`` takes the gradient as it is), and
+    under a pipeline with FSDP no reduction either."""
     backward_early: tuple[Piece, ...] | None = None
-    """Backward (or W) of every micro-batch but the stage's last, when it differs (FSDP under
-    a pipeline reduces gradients only in the last backward: no gradient sync before)."""
+    """Backward (or W) of every micro-batch between the stage's first and last: the gradients
+    added into the kept ones; under a pipeline with FSDP no reduction (no gradient sync before
+    the last backward)."""
+    backward_last: tuple[Piece, ...] | None = None
+    """Backward (or W) of the stage's last micro-batch when it is not also its first: it adds
+    its gradients as the earlier ones did, and reduces. ``backward`` is the one backward of a
+    stage that has one micro-batch (no add); each of these variants falls back to it."""
+    backward_weight_first: tuple[Piece, ...] | None = None
     backward_weight_early: tuple[Piece, ...] | None = None
+    backward_weight_last: tuple[Piece, ...] | None = None
 
     def pieces(self, kind: Kind, first: bool, last: bool) -> tuple[Piece, ...]:
+        """The pieces of an action of ``kind``; ``first``/``last``: whether it is the stage's
+        first/last action of that kind (by micro-batch order of the schedule)."""
         if kind is Kind.F:
             return self.forward if first or self.forward_later is None else self.forward_later
         if kind is Kind.I:
             return self.backward_input
         if kind is Kind.W:
-            return self.backward_weight if last or self.backward_weight_early is None else self.backward_weight_early
-        return self.backward if last or self.backward_early is None else self.backward_early
+            base, variants = self.backward_weight, (self.backward_weight_first, self.backward_weight_early,
+                                                    self.backward_weight_last)
+        else:
+            base, variants = self.backward, (self.backward_first, self.backward_early, self.backward_last)
+        if first and last:
+            return base
+        got = variants[0] if first else variants[2] if last else variants[1]
+        return base if got is None else got
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -326,8 +345,8 @@ def simulate_pipeline(
                         state.span("compute", "bubble" if wait > p2p_part else "p2p wait", state.compute_free, arrive)
                         ready = arrive
                 state.compute_free = ready
-                first_mb = a.kind is Kind.F and firsts.get(a.stage) == a.mb
-                last_mb = a.kind is not Kind.F and lasts.get((a.stage, a.kind)) == a.mb
+                first_mb = firsts.get((a.stage, a.kind)) == a.mb
+                last_mb = lasts.get((a.stage, a.kind)) == a.mb
                 key = (a.stage, a.kind.value, a.mb)
                 run_action(state, priced(plans[a.stage].pieces(a.kind, first_mb, last_mb), key), memo)
                 state.busy.append((ready, state.compute_free, key))
@@ -357,17 +376,15 @@ def simulate_pipeline(
     return EngineResult(step_time_s=end[crit], critical_rank=crit, ranks=tuple(ranks))
 
 
-def first_and_last(actions: Sequence[Sequence[Action]]) -> tuple[dict[int, int], dict[tuple[int, Kind], int]]:
-    """Per stage the micro-batch of its first forward, and per (stage, B/I/W) of its last one:
-    the actions whose pieces differ (:meth:`StagePlan.pieces`)."""
-    firsts: dict[int, int] = {}
+def first_and_last(actions: Sequence[Sequence[Action]]) -> tuple[dict[tuple[int, Kind], int], dict[tuple[int, Kind], int]]:
+    """Per (stage, kind) the micro-batch of its first action and of its last, in the order the
+    schedule runs them: the actions whose pieces differ (:meth:`StagePlan.pieces`)."""
+    firsts: dict[tuple[int, Kind], int] = {}
     lasts: dict[tuple[int, Kind], int] = {}
     for acts in actions:
         for a in acts:
-            if a.kind is Kind.F:
-                firsts.setdefault(a.stage, a.mb)
-            else:
-                lasts[(a.stage, a.kind)] = a.mb
+            firsts.setdefault((a.stage, a.kind), a.mb)
+            lasts[(a.stage, a.kind)] = a.mb
     return firsts, lasts
 
 

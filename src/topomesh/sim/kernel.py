@@ -33,10 +33,12 @@ from topomesh.sim.engine import EngineResult, Piece, RankState, StagePlan, first
 from topomesh.sim.price import Stream
 from topomesh.sim.schedules import Kind, Schedule, action_order, stage_count
 
-VARIANTS = ("forward", "forward_later", "backward", "backward_early", "backward_input", "backward_weight",
-            "backward_weight_early", "optimizer")
-"""Piece lists of a stage, by variant index; the ``*_later``/``*_early`` ones fall back to the plain ones."""
-_F_FIRST, _F_LATER, _B_LAST, _B_EARLY, _I, _W_LAST, _W_EARLY, _OPT = range(8)
+VARIANTS = ("forward", "forward_later", "backward", "backward_first", "backward_early", "backward_last",
+            "backward_input", "backward_weight", "backward_weight_first", "backward_weight_early",
+            "backward_weight_last", "optimizer")
+"""Piece lists of a stage, by variant index; the ``*_later``/``*_first``/``*_early``/``*_last``
+ones fall back to the plain ones (:meth:`StagePlan.pieces <topomesh.sim.engine.StagePlan.pieces>`)."""
+_F_FIRST, _F_LATER, _B_ONLY, _B_FIRST, _B_EARLY, _B_LAST, _I, _W_ONLY, _W_FIRST, _W_EARLY, _W_LAST, _OPT = range(12)
 _STREAM_INDEX = {Stream.INTRA: 0, Stream.NET: 1}
 # rank state columns
 _CF, _SF0, _SF1, _RE, _CS, _OS, _BS, _PS = range(8)
@@ -312,7 +314,9 @@ def encode_plans(plans: Sequence[StagePlan]) -> Encoded:
         for v, name in enumerate(VARIANTS):
             pieces = getattr(plan, name)
             if pieces is None:
-                pieces = getattr(plan, name.removesuffix("_later").removesuffix("_early"))
+                for suffix in ("_later", "_first", "_early", "_last"):
+                    name = name.removesuffix(suffix)
+                pieces = getattr(plan, name)
             plan_lists[s, v] = list_index(pieces)
     enc = Encoded()
     enc.axes = tuple(axes)
@@ -349,15 +353,18 @@ def encode_actions(schedule: Schedule, pp: int, microbatches: int, interleave: i
     off, stage, variant, dep, cross, done = [0], [], [], [], [], []
     for r, acts in enumerate(actions):
         for a in acts:
+            first = firsts.get((a.stage, a.kind)) == a.mb
+            at_end = lasts.get((a.stage, a.kind)) == a.mb
+            position = 0 if first and at_end else 1 if first else 3 if at_end else 2  # only/first/early/last
             if a.kind is Kind.F:
                 d = None if a.stage == 0 else (a.stage - 1, "F", a.mb)
-                v = _F_FIRST if firsts.get(a.stage) == a.mb else _F_LATER
+                v = _F_FIRST if first else _F_LATER
             elif a.kind is Kind.W:
                 d = (a.stage, "B", a.mb)
-                v = _W_LAST if lasts.get((a.stage, a.kind)) == a.mb else _W_EARLY
+                v = _W_ONLY + position
             else:
                 d = (a.stage, "F", a.mb) if a.stage == last else (a.stage + 1, "B", a.mb)
-                v = _I if a.kind is Kind.I else (_B_LAST if lasts.get((a.stage, a.kind)) == a.mb else _B_EARLY)
+                v = _I if a.kind is Kind.I else _B_ONLY + position
             stage.append(a.stage)
             variant.append(v)
             dep.append(-1 if d is None else slot(d))

@@ -420,25 +420,34 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
     per-microbatch all-gathers", and what ``topomesh validate`` runs): parameters are gathered
     in the stage's first forward only and gradients reduced in its last backward only.
 
-    Every backward but one also adds its gradients into those kept from the step's earlier
-    micro-batches (:func:`_accumulating`): ``micro - 1`` adds a step. They are booked on the
-    backwards before the stage's last, not after its first — the same count, and the plans
-    stay the same for every number of micro-batches."""
+    Every backward but the stage's first also adds its gradients into those kept from the
+    step's earlier micro-batches (:func:`_accumulating`): ``micro - 1`` adds a step, on the
+    backwards after the first (``backward_early``, ``backward_last``); the first has nothing to
+    add into (``backward_first``), and the one backward of a single micro-batch neither
+    (``backward``). Where they fall matters in a pipeline: the last backward of the first stage
+    ends the step, and the first waits for the next stage anyway."""
     plan = _pieces(p, s, stages, n)
     if not pipelined:
-        return dataclasses.replace(plan, backward_early=_accumulating(p, plan.backward, pipelined=False),
-                                   backward_weight_early=_accumulating(p, plan.backward_weight, pipelined=False))
+        added = _accumulating(p, plan.backward, pipelined=False)
+        added_w = _accumulating(p, plan.backward_weight, pipelined=False)
+        return dataclasses.replace(plan, backward_early=added, backward_last=added,
+                                   backward_weight_early=added_w, backward_weight_last=added_w)
 
     def strip(pieces: tuple[Piece, ...], what: str) -> tuple[Piece, ...]:
         # where collectives share the compute cores they are all booked blocking: drop by role
         return tuple(dataclasses.replace(pc, work=dataclasses.replace(
             pc.work, **{what: ()}, blocking=tuple(c for c in pc.work.blocking if c.role != what))) for pc in pieces)
 
+    backward = strip(plan.backward, "gather")
+    quiet = strip(backward, "reduce")
+    quiet_w = strip(plan.backward_weight, "reduce")
     return dataclasses.replace(
-        plan, backward=strip(plan.backward, "gather"), backward_input=strip(plan.backward_input, "gather"),
+        plan, backward=backward, backward_input=strip(plan.backward_input, "gather"),
         forward_later=strip(plan.forward, "gather"),
-        backward_early=_accumulating(p, strip(strip(plan.backward, "gather"), "reduce"), pipelined=True),
-        backward_weight_early=_accumulating(p, strip(plan.backward_weight, "reduce"), pipelined=True))
+        backward_first=quiet, backward_early=_accumulating(p, quiet, pipelined=True),
+        backward_last=_accumulating(p, backward, pipelined=True),
+        backward_weight_first=quiet_w, backward_weight_early=_accumulating(p, quiet_w, pipelined=True),
+        backward_weight_last=_accumulating(p, plan.backward_weight, pipelined=True))
 
 
 def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool) -> tuple[Piece, ...]:
