@@ -313,3 +313,69 @@ def test_a_collective_role_is_what_a_pipeline_stage_may_drop(kind, axis, phase, 
 
     rec = CollectiveRecord(kind=CollectiveKind[kind], bytes=1024, group_size=2, mesh_axis=axis, phase=Phase[phase])
     assert param_role(rec) == role
+
+
+def test_tensor_parallel_ops_pay_their_measured_host_work_inside_and_outside_the_blocks(model):
+    """Where the cluster has the TP figures, a forward/backward op on DTensors in a block pays
+    the block's, one outside the blocks the rest's; the optimizer's ops keep the chain's."""
+    from topomesh.trace.graph import OpRecord, Phase
+    from topomesh.trace.result import Part
+
+    gpu = load_cluster("dgx-h100", gpus=2)
+    layout, training = Layout(tp=2), Training(global_batch=1)
+    a = Simulator(model=model, cluster=gpu).simulate(layout, training)
+    paying = dataclasses.replace(gpu, dtensor_dispatch_s=1e-3, dtensor_block_dispatch_s=2e-3, dtensor_rest_dispatch_s=3e-3)
+    sim = Simulator(model=model, cluster=paying)
+    b = sim.simulate(layout, training)
+    trace = sim.trace(layout, training)
+    from topomesh.cost.ops import profilable
+
+    def ops(phases, part):  # noqa: ANN001, ANN202
+        return sum(1 for s in trace.segments if s.phase in phases and (part is None or (s.part is Part.BLOCK) == part)
+                   for e in s.events if isinstance(e, OpRecord) and profilable(e))
+
+    # the trace holds traced_layers blocks; the model has n_layers of them
+    block = ops((Phase.FORWARD, Phase.BACKWARD), True) * model.spec.n_layers // trace.traced_layers
+    rest = ops((Phase.FORWARD, Phase.BACKWARD), False)
+    opt = ops((Phase.OPTIMIZER,), False) + ops((Phase.OPTIMIZER,), True) * model.spec.n_layers // trace.traced_layers
+    assert block > 100 and rest > 10 and opt > 20
+    assert b.breakdown.compute_s - a.breakdown.compute_s == pytest.approx(2e-3 * block + 3e-3 * rest, rel=1e-9)
+    assert b.breakdown.optimizer_s - a.breakdown.optimizer_s == pytest.approx(1e-3 * opt, rel=1e-9)
+
+
+def test_tp_host_work_splits_into_blocks_and_the_rest(monkeypatch):
+    """Counted from traces of the tiny TP model at 1 and 3 blocks (block ops, other ops and
+    collectives of a forward and backward), thread times built so that a block op costs 30 µs,
+    another op 20 µs and a collective 100 µs above the plain model: the two figures come back."""
+    import torch
+
+    from topomesh.cost import dispatch
+    from topomesh.cost.ops import profilable
+    from topomesh.models.parallelize import ParallelOptions, make_parallelize
+    from topomesh.models.transformer import Arch, TransformerConfig
+    from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
+    from topomesh.trace.result import Part
+    from topomesh.trace.tracer import trace_step, transformer_spec
+
+    def counted(n: int) -> tuple[int, int, int]:
+        cfg = TransformerConfig(name="tp-host", arch=Arch.LLAMA, n_layers=n, hidden=64, n_heads=4, n_kv_heads=2,
+                                ffn_hidden=128, vocab_size=64, seq_len=16)
+        trace = trace_step(transformer_spec(cfg), make_parallelize(ParallelOptions(sequence_parallel=True)), {"tp": 2},
+                           n_layers=n, batch_size=1, dtype=torch.bfloat16)
+        events = [(s.part, e) for s in trace.segments if s.phase is not Phase.OPTIMIZER for e in s.events]
+        return (sum(1 for p, e in events if isinstance(e, OpRecord) and profilable(e) and p is Part.BLOCK),
+                sum(1 for p, e in events if isinstance(e, OpRecord) and profilable(e) and p is not Part.BLOCK),
+                sum(1 for _, e in events if isinstance(e, CollectiveRecord) and e.group_size > 1))
+
+    (b1, r1, c1), (b3, r3, c3) = counted(1), counted(3)
+    assert b3 > b1 > 0 and r1 == r3 > 0 and c3 > c1 > 0
+    plain = 0.01
+    times = iter([plain, plain + 30e-6 * b1 + 20e-6 * r1 + 100e-6 * c1,
+                  plain, plain + 30e-6 * b3 + 20e-6 * r3 + 100e-6 * c3])
+    monkeypatch.setattr(dispatch, "_median_thread_s", lambda fn, **kw: next(times))
+    before = torch.get_num_threads()
+    try:
+        block, rest = dispatch.measure_tp_host_s(collective_s=100e-6)
+    finally:
+        torch.set_num_threads(before)
+    assert block == pytest.approx(30e-6, rel=1e-9) and rest == pytest.approx(20e-6, rel=1e-9)

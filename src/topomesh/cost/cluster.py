@@ -112,6 +112,15 @@ class Cluster:
     """Host seconds each collective DTensor issues (a ``_c10d_functional`` record) costs on the
     computing thread besides its transfer (:func:`topomesh.cost.dispatch.measure_dtensor_collective_s`,
     measured for ``local``); 0 for GPU presets, as :attr:`dtensor_dispatch_s`."""
+    dtensor_block_dispatch_s: float = 0.0
+    dtensor_rest_dispatch_s: float = 0.0
+    """Where measured (``local``), what each forward or backward op on DTensors costs the
+    computing thread under tensor parallel, inside the blocks and outside them (embedding,
+    final norm, head and the vocabulary-parallel loss), in place of :attr:`dtensor_dispatch_s`
+    for those phases: the built-in model's own TP step at a tiny width, minus the plain model
+    and the collectives' host work, per traced op (:func:`topomesh.cost.dispatch.measure_tp_host_s`).
+    It holds what a chain of one op does not: the parallel styles' hooks, layouts and
+    redistributions, autograd around them, the loss's many small ops. 0: not measured."""
     fsdp_reduce_s: float = 0.0
     """Host seconds an FSDP2 unit's hooks and reduction cost on the computing thread per forward
     and backward, paid per reduction FSDP2 issues (a ``c10d.`` reduce-scatter or all-reduce
@@ -413,13 +422,19 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     world_shape(n, n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, "the local cluster")
     import torch
 
-    from topomesh.cost.dispatch import dtensor_collective_s, dtensor_dispatch_s, fsdp_host_s
+    from topomesh.cost.dispatch import (
+        dtensor_collective_s,
+        dtensor_dispatch_s,
+        fsdp_host_s,
+        tp_host_s,
+    )
     from topomesh.topology.discover import allowed_cpus
 
     host = Host(hostname=socket.gethostname())
     topo = build_topology([host], default_placement([host], [n]), source="local")
     cores = len(allowed_cpus())
     fsdp_reduce, fsdp_gather = fsdp_host_s(directory=directory)
+    tp_block, tp_rest = tp_host_s(directory=directory)
     stretch = prof.meta.get("compute_stretch")
     stretch = stretch.get(str(n)) if isinstance(stretch, dict) and n > 1 else None
     in_step = _in_step_points(prof.meta.get("collective_in_step_s"))
@@ -427,6 +442,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
                    collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory),
                    dtensor_collective_s=dtensor_collective_s(directory=directory),
+                   dtensor_block_dispatch_s=tp_block, dtensor_rest_dispatch_s=tp_rest,
                    fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
                    compute_stretch=float(stretch) if isinstance(stretch, int | float) and 1 <= stretch <= 1e3 else None,
                    collective_in_step_s=in_step if n > 1 else ())

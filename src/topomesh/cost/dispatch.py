@@ -191,6 +191,109 @@ def measure_fsdp_host_s(*, units: int = 8, repeats: int = 30) -> tuple[float, fl
     return per_unit, per_gather
 
 
+def measure_tp_host_s(*, collective_s: float, blocks: tuple[int, int] = (1, 3), repeats: int = 20) -> tuple[float, float]:
+    """(seconds per forward/backward op on DTensors inside the blocks, outside them) that tensor
+    parallel costs the computing thread beyond the ops themselves (see the module docstring).
+
+    The built-in transformer at a tiny width (hidden 64, 16 tokens: kernels cost next to
+    nothing) under the built-in parallelize's tensor parallel (sequence parallel, the default;
+    bfloat16) on a two-rank fake group, one forward and backward through the causal LM loss
+    under ``loss_parallel`` as the real runs take it, minus the same model unsharded; less
+    ``collective_s`` (:func:`measure_dtensor_collective_s`) for each collective the step
+    issues. Taken at ``blocks`` depths: the difference per traced block op is the blocks'
+    figure, what is left at the shallower depth per op outside the blocks (embedding, final
+    norm, head and the vocabulary-parallel loss) is the rest's. Ops are counted as
+    :func:`topomesh.sim.price.Pricer.digest` counts them: the trace's profilable records."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from topomesh.cost.ops import profilable
+    from topomesh.layout import groups
+    from topomesh.models.parallelize import ParallelOptions, make_parallelize
+    from topomesh.models.transformer import Arch, Transformer, TransformerConfig
+    from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
+    from topomesh.trace.result import Part
+    from topomesh.trace.tracer import (
+        causal_lm_loss,
+        fake_process_group,
+        trace_step,
+        transformer_spec,
+    )
+
+    if dist.is_initialized():
+        raise CalibrationError("measuring tensor parallel's host work needs a process without a process group "
+                               "(it builds a two-rank fake group).")
+    dtype = torch.bfloat16
+    parallelize = make_parallelize(ParallelOptions(sequence_parallel=True))
+
+    def config(n: int) -> TransformerConfig:
+        return TransformerConfig(name="tp-host", arch=Arch.LLAMA, n_layers=n, hidden=64, n_heads=4, n_kv_heads=2,
+                                 ffn_hidden=128, vocab_size=64, seq_len=16)
+
+    def model(n: int) -> nn.Module:
+        torch.manual_seed(0)
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return Transformer(config(n))
+        finally:
+            torch.set_default_dtype(before)
+
+    x = torch.randint(0, 64, (1, 16))
+
+    def step(m: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            out = m(x)
+            with loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext():
+                causal_lm_loss(out, x).backward()
+        return run
+
+    def counts(n: int) -> tuple[int, int, int]:
+        """(block ops, other ops, collectives) of one forward and backward, as traced."""
+        trace = trace_step(transformer_spec(config(n)), parallelize, {"tp": 2}, n_layers=n, batch_size=1, dtype=dtype)
+        block = rest = colls = 0
+        for seg in trace.segments:
+            if seg.phase not in (Phase.FORWARD, Phase.BACKWARD):
+                continue
+            for e in seg.events:
+                if isinstance(e, OpRecord) and profilable(e):
+                    block += seg.part is Part.BLOCK
+                    rest += seg.part is not Part.BLOCK
+                elif isinstance(e, CollectiveRecord) and e.group_size > 1:
+                    colls += 1
+        return block, rest, colls
+
+    host = {}
+    for n in blocks:
+        plain = _median_thread_s(step(model(n)), repeats=repeats, warmup=3)
+        with fake_process_group(2):
+            mesh = groups.init_mesh("cpu", [2], ["tp"])
+            tp = _median_thread_s(step(parallelize(model(n), mesh)), repeats=repeats, warmup=3)
+        host[n] = tp - plain
+    (lo, hi), got = blocks, {n: counts(n) for n in blocks}
+    (b_lo, r_lo, c_lo), (b_hi, _, c_hi) = got[lo], got[hi]
+    per_block_op = max(0.0, (host[hi] - host[lo] - collective_s * (c_hi - c_lo)) / max(b_hi - b_lo, 1))
+    per_rest_op = max(0.0, (host[lo] - per_block_op * b_lo - collective_s * c_lo) / max(r_lo, 1))
+    return per_block_op, per_rest_op
+
+
+def tp_host_s(*, directory: Path | None = None, refresh: bool = False) -> tuple[float, float]:
+    """(per block op, per other op): :func:`measure_tp_host_s`, kept as :func:`dtensor_dispatch_s`
+    keeps its own (``devices/tp-host-<hash>.json``), with :func:`dtensor_collective_s`'s figure."""
+    coll = dtensor_collective_s(directory=directory, refresh=refresh)
+    got = _cached("tp-host", ("dtensor_block_dispatch_s", "dtensor_rest_dispatch_s"),
+                  lambda: measure_tp_host_s(collective_s=coll),
+                  "thread CPU time, the built-in model under TP (SP, bf16) minus plain on a 2-rank fake group, "
+                  "less its collectives' host work, per traced forward/backward op, 1 and 3 blocks",
+                  directory, refresh)
+    return got[0], got[1]
+
+
 def fsdp_host_s(*, directory: Path | None = None, refresh: bool = False) -> tuple[float, float]:
     """(seconds per FSDP2 reduction, seconds per FSDP2 all-gather): :func:`measure_fsdp_host_s`,
     one measurement kept as :func:`dtensor_dispatch_s` keeps its own (``devices/fsdp-host-<hash>.json``)."""

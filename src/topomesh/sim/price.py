@@ -284,6 +284,8 @@ class Pricer:
                     if hit is None:
                         continue
                     s, was_measured, matmul_grad = hit
+                    if e.phase in self.dtensor_phases:
+                        s += self._dispatch_s(e.phase, seg.part)
                     if was_measured:
                         measured += 1
                     else:
@@ -340,11 +342,21 @@ class Pricer:
         return seconds * c.compute_share
 
     def _op_cost(self, e: OpRecord) -> tuple[float, bool, bool]:
-        """(seconds with DTensor dispatch, from the op table?, a backward matmul?) of one op."""
+        """(seconds, from the op table?, a backward matmul?) of one op (DTensor dispatch apart:
+        :meth:`_dispatch_s`)."""
         s, was_measured = self.op_s(e)
-        if e.phase in self.dtensor_phases:
-            s += self.cluster.dtensor_dispatch_s * self.cluster.compute_share
         return s, was_measured, e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL
+
+    def _dispatch_s(self, phase: Phase, part: Part) -> float:
+        """What DTensor adds to an op of ``phase`` in a segment of ``part``: under tensor
+        parallel, measured inside and outside the blocks where the cluster has those figures
+        (:attr:`Cluster.dtensor_block_dispatch_s`), else the per-op figure of a chain
+        (:attr:`Cluster.dtensor_dispatch_s`, also the optimizer's on sharded parameters)."""
+        c = self.cluster
+        s = c.dtensor_dispatch_s
+        if phase is not Phase.OPTIMIZER:
+            s = (c.dtensor_block_dispatch_s if part is Part.BLOCK else c.dtensor_rest_dispatch_s) or s
+        return s * c.compute_share
 
     def priced(self, d: Digest) -> Work:
         """``d`` with its collectives priced on their links."""
@@ -556,7 +568,9 @@ def price_digest(d: ClassDigest, pricer: Pricer) -> PricedClass:
 def digest_class(trace: Trace, pricer: Pricer) -> ClassDigest:
     """The link-free part of pricing ``trace`` (op times, collectives sorted by how they run)
     and what else the simulator reads from it; ``trace.n_layers`` is the depth of the FLOPs."""
-    pricer.dtensor_phases = dtensor_phases(trace.layout) if pricer.cluster.dtensor_dispatch_s else frozenset()
+    c = pricer.cluster
+    paid = c.dtensor_dispatch_s or c.dtensor_block_dispatch_s or c.dtensor_rest_dispatch_s
+    pricer.dtensor_phases = dtensor_phases(trace.layout) if paid else frozenset()
     f_pre, f_blocks, f_post = _split(trace.segments, Phase.FORWARD)
     b_post, b_blocks, b_pre = _split(trace.segments, Phase.BACKWARD)
     o_pre, o_blocks, o_post = _split(trace.segments, Phase.OPTIMIZER)
