@@ -42,9 +42,9 @@ def test_busy_ranks_counts_the_others_share_of_each_interval():
     assert got[(0, "F", 0)] == pytest.approx(1.5) and got[(0, "F", 1)] == 2.0 and got[(0, "B", 0)] == 1.5
 
 
-@pytest.mark.parametrize("stretch", [None, 1.6])
+@pytest.mark.parametrize("stretch", [None, 2.4])
 def test_ranks_that_never_overlap_each_run_alone(stretch):
-    # two ranks on one core: lock-step prices compute at the measured stretch (else the core
+    # two ranks on one core: lock-step prices compute at the measured stretch (2.4; never below the core
     # share, 2) and collectives at the core share: F 1 s and B 2 s alone, a 0.5 s collective
     # alone at 1 s. One micro-batch: F0, F1, B1, B0 run one after the other, each alone at
     # share 1: 1 + 1 + (2 + 0.5) + (2 + 0.5) = 7 s, half the lock-step 14 s without a stretch.

@@ -180,16 +180,22 @@ class Cluster:
     @property
     def compute_share(self) -> float:
         """How many times longer a rank's compute and host work take here than the op table's
-        one-rank times: the measured :attr:`compute_stretch`, else :attr:`core_share`.
-        Collectives stay at :attr:`core_share`: their calibration already ran every rank of
-        their group at once.
+        one-rank times: the measured :attr:`compute_stretch`, else :attr:`core_share`, and never
+        less than :attr:`core_share`: ranks that all compute need that many times their work in
+        core time. (The stretch times each rank's own segment; where ranks outnumber cores, one
+        that gets a core only when another finishes starts late and then times what it takes
+        alone: four ranks on two cores measured 1.50 here, while four one-process steps at once
+        took 2.0 times one alone.) Collectives stay at :attr:`core_share`: their calibration
+        already ran every rank of their group at once.
 
         >>> import dataclasses
         >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=8), cores=2, threads_per_rank=1)
         >>> c.compute_share, dataclasses.replace(c, compute_stretch=4.4).compute_share
         (4.0, 4.4)
+        >>> dataclasses.replace(c, compute_stretch=1.5).compute_share  # fewer core-seconds than the work needs
+        4.0
         """
-        return self.core_share if self.compute_stretch is None else self.compute_stretch
+        return self.core_share if self.compute_stretch is None else max(self.compute_stretch, self.core_share)
 
     def cores_share_at(self, ranks: float) -> float:
         """:attr:`core_share` with ``ranks`` of a node's ranks busy at once (a mean over an
