@@ -138,5 +138,6 @@ def test_the_pricing_fingerprint_names_every_host_cost(cluster) -> None:  # noqa
     from topomesh.sim.digest import pricing_fingerprint
 
     base = pricing_fingerprint(cluster, {})
-    for change in (dict(dtensor_dispatch_s=1e-5), dict(dtensor_collective_s=1e-4), dict(collectives_share_compute=True)):
+    for change in (dict(dtensor_dispatch_s=1e-5), dict(dtensor_collective_s=1e-4), dict(collectives_share_compute=True),
+                   dict(dtensor_block_dispatch_s=2e-5), dict(dtensor_rest_dispatch_s=3e-5)):
         assert pricing_fingerprint(dataclasses.replace(cluster, **change), {}) != base, change

@@ -224,9 +224,9 @@ class Pricer:
         self.table = table
         self._ops = {} if op_cache is None else op_cache
         """Op record -> (seconds, measured); share it between pricings on one cluster and table."""
-        self.dtensor_phases: frozenset[Phase] = frozenset()
-        """Phases whose ops run on DTensors and pay :attr:`Cluster.dtensor_dispatch_s`
-        (set per trace by :func:`price_trace`, see :func:`dtensor_phases`)."""
+        self.dispatch: dict[tuple[Phase, Part], float] = {}
+        """Seconds DTensor adds to an op, by its phase and segment part, where ops run on
+        DTensors (set per trace by :func:`digest_class`: :func:`dtensor_dispatch`)."""
 
     def op_s(self, rec: OpRecord) -> tuple[float, bool]:
         """(seconds on this cluster's share of cores, whether the op table measured it)."""
@@ -284,8 +284,7 @@ class Pricer:
                     if hit is None:
                         continue
                     s, was_measured, matmul_grad = hit
-                    if e.phase in self.dtensor_phases:
-                        s += self._dispatch_s(e.phase, seg.part)
+                    s += self.dispatch.get((e.phase, seg.part), 0.0)
                     if was_measured:
                         measured += 1
                     else:
@@ -343,20 +342,9 @@ class Pricer:
 
     def _op_cost(self, e: OpRecord) -> tuple[float, bool, bool]:
         """(seconds, from the op table?, a backward matmul?) of one op (DTensor dispatch apart:
-        :meth:`_dispatch_s`)."""
+        :attr:`dispatch`)."""
         s, was_measured = self.op_s(e)
         return s, was_measured, e.phase is Phase.BACKWARD and op_class(e.op) is OpClass.MATMUL
-
-    def _dispatch_s(self, phase: Phase, part: Part) -> float:
-        """What DTensor adds to an op of ``phase`` in a segment of ``part``: under tensor
-        parallel, measured inside and outside the blocks where the cluster has those figures
-        (:attr:`Cluster.dtensor_block_dispatch_s`), else the per-op figure of a chain
-        (:attr:`Cluster.dtensor_dispatch_s`, also the optimizer's on sharded parameters)."""
-        c = self.cluster
-        s = c.dtensor_dispatch_s
-        if phase is not Phase.OPTIMIZER:
-            s = (c.dtensor_block_dispatch_s if part is Part.BLOCK else c.dtensor_rest_dispatch_s) or s
-        return s * c.compute_share
 
     def priced(self, d: Digest) -> Work:
         """``d`` with its collectives priced on their links."""
@@ -482,6 +470,33 @@ def dtensor_phases(layout: Iterable[tuple[str, int]]) -> frozenset[Phase]:
     return frozenset(phases)
 
 
+def dtensor_dispatch(cluster: Cluster, layout: Iterable[tuple[str, int]]) -> dict[tuple[Phase, Part], float]:
+    """What DTensor adds to each op by (phase, part), for the phases :func:`dtensor_phases` runs
+    on DTensors: under tensor parallel the figures measured inside and outside the blocks
+    (:attr:`Cluster.dtensor_block_dispatch_s`, ``_rest_``) where the cluster has them, else the
+    per-op figure of a chain (:attr:`Cluster.dtensor_dispatch_s`, also the optimizer's on
+    sharded parameters); at the cluster's compute share. Empty where nothing is charged.
+
+    >>> import dataclasses
+    >>> from topomesh.cost.cluster import load_cluster
+    >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=2), dtensor_dispatch_s=1.0, dtensor_block_dispatch_s=3.0)
+    >>> d = dtensor_dispatch(c, [("tp", 2)])
+    >>> d[(Phase.FORWARD, Part.BLOCK)], d[(Phase.BACKWARD, Part.REST)], d[(Phase.OPTIMIZER, Part.BLOCK)]
+    (3.0, 1.0, 1.0)
+    >>> dtensor_dispatch(load_cluster("dgx-h100", gpus=2), [("tp", 2)])
+    {}
+    """
+    out = {}
+    for phase in dtensor_phases(layout):
+        for part in Part:
+            s = cluster.dtensor_dispatch_s
+            if phase is not Phase.OPTIMIZER:
+                s = (cluster.dtensor_block_dispatch_s if part is Part.BLOCK else cluster.dtensor_rest_dispatch_s) or s
+            if s:
+                out[(phase, part)] = s * cluster.compute_share
+    return out
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClassDigest:
     """Everything the simulator reads from one layout class's trace, before any link is priced:
@@ -568,9 +583,7 @@ def price_digest(d: ClassDigest, pricer: Pricer) -> PricedClass:
 def digest_class(trace: Trace, pricer: Pricer) -> ClassDigest:
     """The link-free part of pricing ``trace`` (op times, collectives sorted by how they run)
     and what else the simulator reads from it; ``trace.n_layers`` is the depth of the FLOPs."""
-    c = pricer.cluster
-    paid = c.dtensor_dispatch_s or c.dtensor_block_dispatch_s or c.dtensor_rest_dispatch_s
-    pricer.dtensor_phases = dtensor_phases(trace.layout) if paid else frozenset()
+    pricer.dispatch = dtensor_dispatch(pricer.cluster, trace.layout)
     f_pre, f_blocks, f_post = _split(trace.segments, Phase.FORWARD)
     b_post, b_blocks, b_pre = _split(trace.segments, Phase.BACKWARD)
     o_pre, o_blocks, o_post = _split(trace.segments, Phase.OPTIMIZER)
