@@ -128,8 +128,12 @@ def test_in_step_times_cover_the_traced_steps_ops(tiny, degrees):
                 seen[profile_key(recs[0])] = True
 
     with_step_graph(tiny, par, degrees, keys_of, batch_size=1, dtype=torch.float32)
-    got = instep.in_step_times(tiny, par, degrees, batch_size=1, dtype=torch.float32, repeats=1)
+    step = instep.in_step_times(tiny, par, degrees, batch_size=1, dtype=torch.float32, repeats=1)
+    got = step.table
     assert set(got) == set(seen) and len(got) > 20
+    assert (step.host_fb_s is not None) == (degrees.get("tp", 1) > 1)  # measured under tensor parallel only
+    if step.host_fb_s is not None:  # DTensor's hooks and dispatch: several times the tiny model's ops here
+        assert step.host_fb_s > 0
     assert all(0 <= s < 1.0 for s in got.values())
     mm = [s for k, s in got.items() if k[0] == "aten.mm.default"]
     assert mm and min(mm) > 0
@@ -143,10 +147,51 @@ def test_with_step_graph_refuses_context_parallel(tiny):
 def test_read_result_checks_every_row(tmp_path):
     good = tmp_path / "good.json"
     key = ["aten.mm.default", "[[2,3],[3,2]]", '["float32","float32"]', "[[3,1],[2,1]]", "[]"]
-    good.write_text(json.dumps({"dp_shard=2": [[key, 0.001]]}))
-    assert instep.read_result(good) == {"dp_shard=2": {tuple(key): 0.001}}
+    good.write_text(json.dumps({"dp_shard=2": {"ops": [[key, 0.001]], "host_fb_s": None},
+                                "tp=2": {"ops": [], "host_fb_s": 0.02}}))
+    assert instep.read_result(good) == {"dp_shard=2": instep.InStep({tuple(key): 0.001}),
+                                        "tp=2": instep.InStep({}, 0.02)}
+    path = tmp_path / "bad.json"
     for bad in ([[key[:4], 0.001]], [[key, -1.0]], [[key, "1"]], [[key, 0.1, 3]]):
-        path = tmp_path / "bad.json"
-        path.write_text(json.dumps({"tp=2": bad}))
+        path.write_text(json.dumps({"tp=2": {"ops": bad}}))
         with pytest.raises(LayoutError, match="malformed"):
             instep.read_result(path)
+    for bad, what in (([[key, 0.001]], "an object"), ({"ops": [], "host_fb_s": -1.0}, "host_fb_s"),
+                      ({"ops": [], "host_fb_s": "1"}, "host_fb_s")):
+        path.write_text(json.dumps({"tp=2": bad}))
+        with pytest.raises(LayoutError, match=what):
+            instep.read_result(path)
+
+
+def test_host_work_is_the_eager_forward_backward_less_the_replayed_forward_backward_ops(tiny, monkeypatch):
+    """Every node timed at 1 ms and the eager step at 10 s: the host work is 10 s less 1 ms per
+    priced op of forward and backward, counted here from the graph's phase marks (the
+    optimizer's ops and the collectives are not part of it)."""
+    from topomesh.trace.tracer import PHASE_META
+
+    degrees, par = {"tp": 2}, make_parallelize()
+    counted: dict = {}
+
+    def count(gm, groups):
+        fb = opt = 0
+        for n in gm.graph.nodes:
+            recs = node_records(n, gm, groups, Phase.FORWARD)
+            if n.op == "call_function" and len(recs) == 1 and isinstance(recs[0], OpRecord) and profilable(recs[0]):
+                fb += n.meta[PHASE_META] in (Phase.FORWARD, Phase.BACKWARD)
+                opt += n.meta[PHASE_META] is Phase.OPTIMIZER
+        counted.update(fb=fb, opt=opt)
+
+    with_step_graph(tiny, par, degrees, count, batch_size=1, dtype=torch.float32)
+    assert counted["fb"] > 50 and counted["opt"] > 10
+    monkeypatch.setattr(instep, "time_nodes", lambda gm, args, **kw: {
+        n: 1e-3 for n in gm.graph.nodes if n.op == "call_function"})
+    monkeypatch.setattr(instep, "eager_fb_s", lambda *a, **kw: 10.0)
+    got = instep.in_step_times(tiny, par, degrees, batch_size=1, dtype=torch.float32)
+    assert got.host_fb_s == pytest.approx(10.0 - 1e-3 * counted["fb"])
+
+
+def test_eager_forward_backward_is_timed_on_a_fake_group_and_leaves_none_behind(tiny):
+    got = instep.eager_fb_s(tiny, make_parallelize(), {"tp": 2}, batch_size=1, dtype=torch.float32, repeats=1,
+                            warmup=1)
+    assert 0 < got < 30.0
+    assert not torch.distributed.is_initialized()  # the fake group is gone: a trace may follow

@@ -379,3 +379,38 @@ def test_tp_host_work_splits_into_blocks_and_the_rest(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert block == pytest.approx(30e-6, rel=1e-9) and rest == pytest.approx(20e-6, rel=1e-9)
+
+
+def test_measured_tp_host_work_is_spread_over_the_forward_and_backward_ops_after_the_collectives():
+    """``with_tp_host``: the measured host seconds less each F/B collective's host work, per
+    profilable F/B op; the optimizer's ops and its collectives do not count. Hand count: two
+    ``mm`` and one functional all-gather (1 ms host) in a forward block, one ``mm`` in backward,
+    one in the optimizer; 7 ms measured → (7 - 1) / 3 = 2 ms an op."""
+    from topomesh.sim.price import with_tp_host
+    from topomesh.trace.graph import CollectiveKind, OpRecord, Phase, TensorMeta
+    from topomesh.trace.result import Part, Segment, Trace
+
+    a = TensorMeta(shape=(4, 8), dtype="float32", stride=(8, 1))
+
+    def mm(phase):  # noqa: ANN001, ANN202
+        return OpRecord(op="aten.mm.default", inputs=(a, a), outputs=(a,), flops=512, phase=phase)
+
+    def ag(phase):  # noqa: ANN001, ANN202
+        return CollectiveRecord(kind=CollectiveKind.ALL_GATHER, bytes=64, group_size=2, mesh_axis="tp",
+                                phase=phase, op="_c10d_functional.all_gather_into_tensor.default")
+
+    trace = Trace(model="m", layout=(("tp", 2),), batch_size=1, dtype="float32", traced_layers=1, n_layers=1,
+                  segments=(Segment(part=Part.BLOCK, phase=Phase.FORWARD, layer=0,
+                                    events=(mm(Phase.FORWARD), ag(Phase.FORWARD), mm(Phase.FORWARD))),
+                            Segment(part=Part.REST, phase=Phase.BACKWARD, events=(mm(Phase.BACKWARD),)),
+                            Segment(part=Part.REST, phase=Phase.OPTIMIZER,
+                                    events=(mm(Phase.OPTIMIZER), ag(Phase.OPTIMIZER)))),
+                  unknown_ops=())
+    gpu = dataclasses.replace(load_cluster("dgx-h100", gpus=2), dtensor_collective_s=1e-3, dtensor_block_dispatch_s=9.0)
+    got = with_tp_host(gpu, trace, 7e-3)
+    assert got.dtensor_block_dispatch_s == pytest.approx(2e-3) and got.dtensor_rest_dispatch_s == pytest.approx(2e-3)
+    assert with_tp_host(gpu, trace, 0.5e-3).dtensor_block_dispatch_s == 0.0  # less than the collectives: none left
+    deeper = dataclasses.replace(trace, n_layers=3)  # the block's 2 ops and 1 all-gather 3 times: (7 - 3) / 7
+    assert with_tp_host(gpu, deeper, 7e-3).dtensor_rest_dispatch_s == pytest.approx(4e-3 / 7)
+    bare = dataclasses.replace(trace, segments=trace.segments[2:])
+    assert with_tp_host(gpu, bare, 7e-3) is gpu  # no forward/backward op: nothing to spread it over

@@ -261,14 +261,16 @@ def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_pa
         seen["env"] = env
         spec = json.loads(Path(cmd[cmd.index("--spec") + 1]).read_text())
         seen["spec"] = spec
-        out = {item["text"]: [[key, 0.002]] for item in spec["layouts"]}
+        out = {item["text"]: {"ops": [[key, 0.002]], "host_fb_s": 0.03} for item in spec["layouts"]}
         Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(out))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(vrun.subprocess, "run", fake_run)
+    from topomesh.cost.instep import InStep
+
     layouts = [("tp=2", resolve_layout({"tp": 2}, 2)), ("cp=2", resolve_layout({"cp": 2}, 2))]
     got = vrun.in_step_tables("tiny-llama", None, layouts, Training(global_batch=4), threads=1)
-    assert got == {"tp=2": {tuple(key): 0.002}}
+    assert got == {"tp=2": InStep({tuple(key): 0.002}, 0.03)}
     assert [i["text"] for i in seen["spec"]["layouts"]] == ["tp=2"] and seen["spec"]["layouts"][0]["degrees"]["tp"] == 2
     assert seen["env"]["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20) and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert vrun.in_step_tables("tiny-llama", None, layouts[1:], Training(global_batch=4), threads=1) == {}

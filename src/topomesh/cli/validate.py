@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from topomesh.cost.devices import current_device_spec
     from topomesh.errors import CalibrationError, LayoutError
     from topomesh.sim.inputs import load_model
-    from topomesh.sim.price import grad_add_records
+    from topomesh.sim.price import grad_add_records, with_tp_host
     from topomesh.sim.schedules import Schedule
     from topomesh.sim.simulate import Simulator, Training
     from topomesh.topology.discover import allowed_cpus
@@ -165,10 +165,11 @@ def run(args: argparse.Namespace) -> int:
     tag = f"run 1/{args.repeats}: " if args.repeats > 1 else ""
     profile, clusters = collectives(tag)
     records: list[OpRecord] = []
+    traces = {}
     for text, lay in layouts:
         with err.status(f"tracing {model.spec.name} under {text}"):
             trace = Simulator(model=model, cluster=clusters[lay.world_size], cache=cache).trace(lay, training)
-        full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+        full = traces[text] = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
         records += [e for e in full.events() if isinstance(e, OpRecord)]
         records += grad_add_records(trace)  # what its gradient accumulation is priced with
     with err.status("op table (ops not yet measured at this thread count)") as status:
@@ -180,13 +181,17 @@ def run(args: argparse.Namespace) -> int:
         if n and sweep_each_pass:
             profile, clusters = collectives(tag)
         for text, lay in layouts:
-            in_step: dict[str, dict] = {}
+            step = None
             if in_step_on:  # just before the real run: this VM's speed drifts over minutes
                 with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed)"):
-                    in_step = in_step_tables(args.model, args.seq_len, [(text, lay)], training, threads=args.threads)
+                    step = in_step_tables(args.model, args.seq_len, [(text, lay)], training,
+                                          threads=args.threads).get(text)
+            cluster = clusters[lay.world_size]
+            if step is not None and step.host_fb_s is not None:  # TP's host work, measured on this step
+                cluster = with_tp_host(cluster, traces[text], step.host_fb_s)
             # one simulator per layout: op times are memoized per simulator, and each layout has its own
-            sim = Simulator(model=model, cluster=clusters[lay.world_size], cache=cache,
-                            table={**table, **in_step.get(text, {})})
+            sim = Simulator(model=model, cluster=cluster, cache=cache,
+                            table={**table, **(step.table if step is not None else {})})
             predicted = sim.simulate(lay, training)
             with err.status(f"{tag}running {text} for real ({lay.world_size} processes, {args.steps} steps)"):
                 record = measure(args.model, args.seq_len, lay, training, steps=args.steps, warmup=args.warmup,

@@ -41,6 +41,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,41 +144,121 @@ def time_nodes(gm: torch.fx.GraphModule, args: list[Any], *, repeats: int = REPE
     return {n: max(0.0, statistics.median(ts) - floor) / 1e9 for n, ts in times.items()}
 
 
-def signature_times(gm: torch.fx.GraphModule, groups: Any, node_s: Mapping[torch.fx.Node, float]) -> dict[Key, float]:
-    """Per op-table key, the mean in-step seconds of the nodes whose single record has that
-    key (collectives and nodes that stand for several records are left out)."""
+def priced_nodes(gm: torch.fx.GraphModule, groups: Any, node_s: Mapping[torch.fx.Node, float]
+                 ) -> list[tuple[torch.fx.Node, Key, float]]:
+    """(node, op-table key, seconds) of the timed nodes the simulator prices by the table: those
+    whose single record is a profilable op (collectives and nodes that stand for several
+    records are left out)."""
     from topomesh.trace.convert import node_records
     from topomesh.trace.graph import OpRecord, Phase
 
-    acc: dict[Key, list[float]] = defaultdict(list)
+    out = []
     for node, seconds in node_s.items():
         records = node_records(node, gm, groups, Phase.FORWARD)
         if len(records) == 1 and isinstance(records[0], OpRecord) and profilable(records[0]):
-            acc[profile_key(records[0])].append(seconds)
+            out.append((node, profile_key(records[0]), seconds))
+    return out
+
+
+def signature_times(gm: torch.fx.GraphModule, groups: Any, node_s: Mapping[torch.fx.Node, float]) -> dict[Key, float]:
+    """Per op-table key, the mean in-step seconds of the nodes whose single record has that
+    key (:func:`priced_nodes`)."""
+    acc: dict[Key, list[float]] = defaultdict(list)
+    for _, key, seconds in priced_nodes(gm, groups, node_s):
+        acc[key].append(seconds)
     return {k: statistics.fmean(v) for k, v in acc.items()}
 
 
+@dataclass(frozen=True, slots=True)
+class InStep:
+    """What one layout's replay measured: the op table of its step (:func:`signature_times`)
+    and, where its forward and backward run on DTensors, the host work they do beyond those
+    ops (:func:`eager_fb_s` less the replay's forward and backward)."""
+
+    table: dict[Key, float]
+    host_fb_s: float | None = None
+    """Thread seconds of one micro-batch's eager forward and backward on the fake group beyond
+    the replay's sum of the same ops; None: not measured (no tensor parallel)."""
+
+
 def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch_size: int,
-                  dtype: torch.dtype, repeats: int = REPEATS, warmup: int = WARMUP) -> dict[Key, float]:
-    """In-step seconds per op-table key for one rank of ``degrees`` (see the module docstring)."""
-    from topomesh.trace.tracer import with_step_graph
+                  dtype: torch.dtype, repeats: int = REPEATS, warmup: int = WARMUP) -> InStep:
+    """In-step seconds per op-table key for one rank of ``degrees`` (see the module docstring);
+    under tensor parallel also the host work of its forward and backward beyond its ops."""
+    from topomesh.trace.graph import Phase
+    from topomesh.trace.tracer import PHASE_META, with_step_graph
 
     out: dict[Key, float] = {}
+    replayed: list[float] = []
 
     def use(gm: torch.fx.GraphModule, groups: Any) -> None:
         inputs, labels = spec.make_inputs(batch_size)
         real = [t for t in torch.utils._pytree.tree_leaves((inputs, labels)) if isinstance(t, torch.Tensor)]
         args = materialize(gm, real)
-        out.update(signature_times(gm, groups, time_nodes(gm, args, repeats=repeats, warmup=warmup)))
+        node_s = time_nodes(gm, args, repeats=repeats, warmup=warmup)
+        out.update(signature_times(gm, groups, node_s))
+        replayed.append(sum(s for node, _, s in priced_nodes(gm, groups, node_s)
+                            if node.meta.get(PHASE_META) in (Phase.FORWARD, Phase.BACKWARD)))
 
     with_step_graph(spec, parallelize, degrees, use, batch_size=batch_size, dtype=dtype)
-    return out
+    if dict(degrees).get("tp", 1) <= 1:
+        return InStep(out)
+    eager = eager_fb_s(spec, parallelize, degrees, batch_size=batch_size, dtype=dtype, repeats=repeats)
+    return InStep(out, max(0.0, eager - replayed[0]))
 
 
-def run(spec: Mapping[str, Any]) -> dict[str, list]:
+def eager_fb_s(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch_size: int, dtype: torch.dtype,
+               repeats: int = REPEATS, warmup: int = 2) -> float:
+    """Median seconds (the clock :func:`time_nodes` uses) of one eager forward, loss and
+    backward of a rank of ``degrees``, real tensors on a fake process group (collectives return
+    at once), after ``warmup`` runs (lazy initialization).
+
+    The replay prices a step's ops; the eager step also runs what is not an op of its graph:
+    under tensor parallel, DTensor's dispatch, the parallel styles' hooks and redistributions,
+    autograd around them. Measured on ``benchmarks/validate_llama.json`` at ``tp=2`` (one
+    micro-batch, one thread, 2-vCPU Xeon): 71.7 ms eager against 30.2 ms of replayed forward
+    and backward ops; less the collectives' host work, 33 µs a traced op beyond them (28 µs in
+    another run minutes before), where the built-in model at hidden 64
+    (:func:`~topomesh.cost.dispatch.measure_tp_host_s`) gave 26-36 µs in three runs within minutes.
+    Taken in the same child as the replay, just before the real run, it follows the VM's drift."""
+    import contextlib
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from topomesh.layout import groups
+    from topomesh.trace.tracer import fake_process_group, normalize_layout
+
+    axes = normalize_layout(degrees)
+    clock = time.thread_time_ns if torch.get_num_threads() == 1 else time.perf_counter_ns
+    with fake_process_group(math.prod(d for _, d in axes)):
+        mesh = groups.init_mesh("cpu", [d for _, d in axes], [a for a, _ in axes])
+        before = torch.get_default_dtype()
+        torch.manual_seed(0)
+        try:
+            torch.set_default_dtype(dtype)
+            model = spec.build(spec.n_layers)
+        finally:
+            torch.set_default_dtype(before)
+        if parallelize is not None:
+            model = parallelize(model, mesh) or model
+        inputs, labels = spec.make_inputs(batch_size)
+        times = []
+        for i in range(warmup + repeats):
+            model.zero_grad(set_to_none=True)
+            t0 = clock()
+            out = model(*inputs)
+            with loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext():
+                spec.loss(out, labels).backward()
+            if i >= warmup:
+                times.append(clock() - t0)
+    return statistics.median(times) / 1e9
+
+
+def run(spec: Mapping[str, Any]) -> dict[str, dict]:
     """The child process's work: ``spec`` names the model, training knobs, thread count and
-    layouts (``{"text", "degrees", "order"}``); returns per layout text a list of
-    ``[key, seconds]``."""
+    layouts (``{"text", "degrees", "order"}``); returns per layout text ``{"ops": [[key,
+    seconds], ...], "host_fb_s": seconds or None}`` (:class:`InStep`)."""
     from topomesh.layout.api import resolve_layout
     from topomesh.sim.inputs import load_model
     from topomesh.sim.schedules import Schedule
@@ -187,34 +268,40 @@ def run(spec: Mapping[str, Any]) -> dict[str, list]:
     torch.set_num_interop_threads(1)
     model = load_model(spec["model"], seq_len=spec.get("seq_len"))
     training = Training(**{**spec["training"], "schedule": Schedule(spec["training"]["schedule"])})
-    result: dict[str, list] = {}
+    result: dict[str, dict] = {}
     for item in spec["layouts"]:
         degrees = {str(k): int(v) for k, v in item["degrees"].items()}
         layout = resolve_layout(degrees, math.prod(degrees.values()), order=item.get("order"))
         (mspec, parallelize, traced), kw = trace_request(model, layout, training)
-        table = in_step_times(mspec, parallelize, traced, batch_size=kw["batch_size"], dtype=kw["dtype"],
-                              repeats=int(spec.get("repeats", REPEATS)))
-        result[item["text"]] = [[list(k), s] for k, s in table.items()]
+        got = in_step_times(mspec, parallelize, traced, batch_size=kw["batch_size"], dtype=kw["dtype"],
+                            repeats=int(spec.get("repeats", REPEATS)))
+        result[item["text"]] = {"ops": [[list(k), s] for k, s in got.table.items()], "host_fb_s": got.host_fb_s}
     return result
 
 
-def read_result(path: Path) -> dict[str, dict[Key, float]]:
-    """The child's output file, checked: per layout text, op-table key → seconds."""
+def read_result(path: Path) -> dict[str, InStep]:
+    """The child's output file, checked: per layout text, its :class:`InStep`."""
     from topomesh.topology.api import read_json
 
     raw = read_json(path, what="in-step op times", error=LayoutError)
     if not isinstance(raw, dict):
         raise LayoutError(f"{path}: in-step op times must be a JSON object.")
-    out: dict[str, dict[Key, float]] = {}
-    for layout, rows in raw.items():
+    out: dict[str, InStep] = {}
+    for layout, item in raw.items():
+        where = f"{path}: layout {str(layout)[:40]}"
+        if not isinstance(item, dict) or not isinstance(item.get("ops"), list):
+            raise LayoutError(f"{where}: expected an object with an \"ops\" list.")
         table: dict[Key, float] = {}
-        for row in rows if isinstance(rows, list) else ():
+        for row in item["ops"]:
             ok = (isinstance(row, list) and len(row) == 2 and isinstance(row[0], list) and len(row[0]) == 5
                   and all(isinstance(x, str) for x in row[0]) and isinstance(row[1], int | float) and 0 <= row[1] < 1e4)
             if not ok:
-                raise LayoutError(f"{path}: layout {str(layout)[:40]}: a malformed in-step op time.")
+                raise LayoutError(f"{where}: a malformed in-step op time.")
             table[tuple(row[0])] = float(row[1])
-        out[str(layout)] = table
+        host = item.get("host_fb_s")
+        if host is not None and not (isinstance(host, int | float) and 0 <= host < 1e4):
+            raise LayoutError(f"{where}: host_fb_s must be seconds in [0, 1e4) or null, got {str(host)[:40]}.")
+        out[str(layout)] = InStep(table, None if host is None else float(host))
     return out
 
 

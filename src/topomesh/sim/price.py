@@ -324,21 +324,8 @@ class Pricer:
                       gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline)
 
     def _host_s(self, e: CollectiveRecord) -> float:
-        """Host work on the computing thread around collective ``e``, besides its transfer:
-        DTensor's for its functional collectives, FSDP2's per all-gather and per reduction
-        (a unit's hooks) for its plain c10d ones."""
-        c = self.cluster
-        if e.op.startswith(FUNCTIONAL):
-            seconds = c.dtensor_collective_s
-        elif not e.op.startswith(PLAIN):
-            seconds = 0.0
-        elif e.kind is CollectiveKind.ALL_GATHER:
-            seconds = c.fsdp_gather_s
-        elif e.phase is Phase.BACKWARD and e.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE):
-            seconds = c.fsdp_reduce_s
-        else:
-            seconds = 0.0
-        return seconds * c.compute_share
+        """:func:`collective_host_s` at the cluster's compute share."""
+        return collective_host_s(self.cluster, e) * self.cluster.compute_share
 
     def _op_cost(self, e: OpRecord) -> tuple[float, bool, bool]:
         """(seconds, from the op table?, a backward matmul?) of one op (DTensor dispatch apart:
@@ -495,6 +482,44 @@ def dtensor_dispatch(cluster: Cluster, layout: Iterable[tuple[str, int]]) -> dic
             if s:
                 out[(phase, part)] = s * cluster.compute_share
     return out
+
+
+def collective_host_s(cluster: Cluster, e: CollectiveRecord) -> float:
+    """Host work on the computing thread around collective ``e``, besides its transfer, on one
+    rank's own core: DTensor's for its functional collectives, FSDP2's per all-gather and per
+    reduction (a unit's hooks) for its plain c10d ones."""
+    if e.op.startswith(FUNCTIONAL):
+        return cluster.dtensor_collective_s
+    if not e.op.startswith(PLAIN):
+        return 0.0
+    if e.kind is CollectiveKind.ALL_GATHER:
+        return cluster.fsdp_gather_s
+    if e.phase is Phase.BACKWARD and e.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE):
+        return cluster.fsdp_reduce_s
+    return 0.0
+
+
+def with_tp_host(cluster: Cluster, trace: Trace, host_fb_s: float) -> Cluster:
+    """``cluster`` with tensor parallel's host work per forward and backward op
+    (:attr:`Cluster.dtensor_block_dispatch_s` and ``_rest_``) taken from ``host_fb_s``, the
+    host work one micro-batch's forward and backward of ``trace`` (composed to full depth) measured
+    beyond its ops (:func:`topomesh.cost.instep.eager_fb_s` less the replay): what is left after
+    its collectives' host work (:func:`collective_host_s`), per op :meth:`Pricer.digest` prices.
+
+    Where the trace has no such op, ``cluster`` as it is.
+    """
+    ops, colls = 0, 0.0
+    for e in trace.events():  # composed: a one-block trace's block events n_layers times
+        if e.phase not in (Phase.FORWARD, Phase.BACKWARD):
+            continue
+        if isinstance(e, OpRecord):
+            ops += profilable(e)
+        elif e.group_size > 1:
+            colls += collective_host_s(cluster, e)
+    if not ops:
+        return cluster
+    per_op = max(0.0, host_fb_s - colls) / ops
+    return dataclasses.replace(cluster, dtensor_block_dispatch_s=per_op, dtensor_rest_dispatch_s=per_op)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -171,6 +171,9 @@ def _forget_meshes() -> None:
 
 _RING_FUNCTIONS = ("_templated_ring_attention", "_templated_ring_attention_backward")
 ROUND = "round"
+PHASE_META = "topomesh_phase"
+"""The ``node.meta`` key :func:`with_step_graph` sets on every node of the graph it hands out:
+the node's :class:`~topomesh.trace.graph.Phase`, as the trace's segments cut it."""
 """The label of a ring-round mark (:meth:`_Markers.watch_rounds`)."""
 
 
@@ -440,8 +443,8 @@ def with_step_graph(
 ) -> Trace:
     """:func:`trace_step` of the whole model, calling ``use(graph, groups)`` with the traced
     ``make_fx`` graph of the step while its fake process group exists (the graph's
-    collectives name it): what :mod:`topomesh.cost.instep` runs for real to time each op where
-    the step runs it. Context parallel is refused (its trace patches attention for the
+    collectives name it), each node's phase in ``node.meta[PHASE_META]``: what
+    :mod:`topomesh.cost.instep` runs for real to time each op where the step runs it. Context parallel is refused (its trace patches attention for the
     duration of the trace only)."""
     if dict(layout).get(Axis.CP.value, 1) > 1:
         raise LayoutError(f"the step graph of {dict(layout)} is not kept: context parallel traces a GPU attention kernel.")
@@ -542,6 +545,8 @@ def _trace(
             raise _trace_error(spec, "forward, backward and optimizer step", exc) from exc
         table = GroupTable(mesh)
         if on_graph is not None:
+            for node, (ph, _) in _node_keys(gm, markers):
+                node.meta[PHASE_META] = ph
             on_graph(gm, table)
         segments, unknown = _segments(gm, markers, table)
         block_state, first_state, last_state = _state_bytes(model, blocks, optimizers)
@@ -710,16 +715,11 @@ def _step_fn(
     return step
 
 
-def _segments(
-    gm: torch.fx.GraphModule, markers: _Markers, groups: GroupTable, drop: Set[torch.fx.Node] = frozenset(),
-) -> tuple[tuple[Segment, ...], tuple[str, ...]]:
-    """Cut the graph at the markers into segments of (phase, block or rest) and convert nodes;
-    the nodes in ``drop`` are left out, as if they had not run (a ring round,
-    :func:`trace_rings`)."""
+def _node_keys(gm: torch.fx.GraphModule, markers: _Markers) -> Iterator[tuple[torch.fx.Node, tuple[Phase, int | None]]]:
+    """Each node of the graph in order with its (phase, block index or None), as the markers
+    placed while tracing cut them."""
     phase: Phase = Phase.FORWARD
     layer: int | None = None
-    keys: list[tuple[Phase, int | None]] = []
-    where: dict[torch.fx.Node, int] = {}  # node -> segment index
 
     def apply(labels: list[str]) -> None:
         nonlocal phase, layer
@@ -734,11 +734,23 @@ def _segments(
 
     apply(markers.marks.get(None, []))
     for node in gm.graph.nodes:
-        if node not in drop:
-            if not keys or keys[-1] != (phase, layer):
-                keys.append((phase, layer))
-            where[node] = len(keys) - 1
+        yield node, (phase, layer)
         apply(markers.marks.get(node, []))
+
+
+def _segments(
+    gm: torch.fx.GraphModule, markers: _Markers, groups: GroupTable, drop: Set[torch.fx.Node] = frozenset(),
+) -> tuple[tuple[Segment, ...], tuple[str, ...]]:
+    """Cut the graph at the markers into segments of (phase, block or rest) and convert nodes;
+    the nodes in ``drop`` are left out, as if they had not run (a ring round,
+    :func:`trace_rings`)."""
+    keys: list[tuple[Phase, int | None]] = []
+    where: dict[torch.fx.Node, int] = {}  # node -> segment index
+    for node, key in _node_keys(gm, markers):
+        if node not in drop:
+            if not keys or keys[-1] != key:
+                keys.append(key)
+            where[node] = len(keys) - 1
 
     records: dict[torch.fx.Node, tuple[OpRecord | CollectiveRecord, ...]] = {}
     unknown: set[str] = set()
