@@ -195,3 +195,14 @@ def test_eager_forward_backward_is_timed_on_a_fake_group_and_leaves_none_behind(
                             warmup=1)
     assert 0 < got < 30.0
     assert not torch.distributed.is_initialized()  # the fake group is gone: a trace may follow
+
+
+def test_a_failing_eager_step_leaves_the_per_cpu_figures_and_says_so(tiny, monkeypatch, capsys):
+    def boom(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("out of memory\nmore")
+
+    monkeypatch.setattr(instep, "eager_fb_s", boom)
+    got = instep.in_step_times(tiny, make_parallelize(), {"tp": 2}, batch_size=1, dtype=torch.float32, repeats=1)
+    assert got.host_fb_s is None and len(got.table) > 20  # the replay's table is kept
+    err = capsys.readouterr().err
+    assert "RuntimeError: out of memory)" in err and "keep this CPU's measured figures" in err and "more" not in err

@@ -244,7 +244,7 @@ def test_real_runs_keep_freed_memory_for_the_next_step(monkeypatch, tmp_path):
     assert seen["OMP_NUM_THREADS"] == "1"
 
 
-def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_path):
+def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_path, capsys):
     """The replay runs in a child with the real runs' malloc and thread settings; a
     context-parallel layout is not sent (its trace patches attention), the others come back
     by their text."""
@@ -263,7 +263,7 @@ def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_pa
         seen["spec"] = spec
         out = {item["text"]: {"ops": [[key, 0.002]], "host_fb_s": 0.03} for item in spec["layouts"]}
         Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(out))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        return subprocess.CompletedProcess(cmd, 0, "", "USDT noise\ntopomesh: {'tp': 2}: a fallback taken\n")
 
     monkeypatch.setattr(vrun.subprocess, "run", fake_run)
     from topomesh.cost.instep import InStep
@@ -271,6 +271,8 @@ def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_pa
     layouts = [("tp=2", resolve_layout({"tp": 2}, 2)), ("cp=2", resolve_layout({"cp": 2}, 2))]
     got = vrun.in_step_tables("tiny-llama", None, layouts, Training(global_batch=4), threads=1)
     assert got == {"tp=2": InStep({tuple(key): 0.002}, 0.03)}
+    err = capsys.readouterr().err
+    assert "topomesh: {'tp': 2}: a fallback taken" in err and "USDT" not in err  # the child's word passed on
     assert [i["text"] for i in seen["spec"]["layouts"]] == ["tp=2"] and seen["spec"]["layouts"][0]["degrees"]["tp"] == 2
     assert seen["env"]["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20) and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert vrun.in_step_tables("tiny-llama", None, layouts[1:], Training(global_batch=4), threads=1) == {}

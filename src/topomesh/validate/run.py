@@ -309,7 +309,8 @@ def _run_child(what: str, spec: dict[str, Any], argv: Callable[[Path], list[str]
                threads: int, timeout_s: float, hint: str = "") -> Any:
     """Run ``python argv(tmp) --spec SPEC --out OUT`` in a private temporary directory with the
     real runs' environment (:func:`_child_env`); ``read(OUT)``, or a :class:`ValidateError`
-    naming ``what`` with the child's last words."""
+    naming ``what`` with the child's last words. The child's ``topomesh: `` lines on stderr
+    are passed on."""
     with tempfile.TemporaryDirectory(prefix="topomesh-validate-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_file.write_text(json.dumps(spec))
@@ -323,6 +324,9 @@ def _run_child(what: str, spec: dict[str, Any], argv: Callable[[Path], list[str]
             lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
             causes = [ln for ln in lines if "Error" in ln or "terminate" in ln or "error:" in ln][:2]
             raise ValidateError(f"{what} failed (exit {proc.returncode}): " + " | ".join(causes + lines[-3:]))
+        for line in proc.stderr.splitlines():  # what the child has to say to the user (a fallback taken)
+            if line.startswith("topomesh: "):
+                print(line[:400], file=sys.stderr)
         return read(out_file)
 
 
