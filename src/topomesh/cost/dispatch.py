@@ -204,23 +204,21 @@ def measure_tp_host_s(*, collective_s: float, blocks: tuple[int, int] = (1, 3), 
     figure, what is left at the shallower depth per op outside the blocks (embedding, final
     norm, head and the vocabulary-parallel loss) is the rest's. Ops are counted as
     :func:`topomesh.sim.price.Pricer.digest` counts them: the trace's profilable records."""
-    import contextlib
-
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from topomesh.cost.ops import profilable
     from topomesh.layout import groups
     from topomesh.models.parallelize import ParallelOptions, make_parallelize
-    from topomesh.models.transformer import Arch, Transformer, TransformerConfig
+    from topomesh.models.transformer import Arch, TransformerConfig
     from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
     from topomesh.trace.result import Part
     from topomesh.trace.tracer import (
+        build_model,
         causal_lm_loss,
         fake_process_group,
+        loss_context,
         trace_step,
         transformer_spec,
     )
@@ -237,19 +235,14 @@ def measure_tp_host_s(*, collective_s: float, blocks: tuple[int, int] = (1, 3), 
 
     def model(n: int) -> nn.Module:
         torch.manual_seed(0)
-        before = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            return Transformer(config(n))
-        finally:
-            torch.set_default_dtype(before)
+        return build_model(transformer_spec(config(n)), n, dtype)
 
     x = torch.randint(0, 64, (1, 16))
 
     def step(m: nn.Module) -> Callable[[], None]:
         def run() -> None:
             out = m(x)
-            with loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext():
+            with loss_context(out):
                 causal_lm_loss(out, x).backward()
         return run
 

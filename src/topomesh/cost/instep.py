@@ -185,6 +185,7 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
                   dtype: torch.dtype, repeats: int = REPEATS, warmup: int = WARMUP) -> InStep:
     """In-step seconds per op-table key for one rank of ``degrees`` (see the module docstring);
     under tensor parallel also the host work of its forward and backward beyond its ops."""
+    from topomesh.layout.dims import Axis
     from topomesh.trace.graph import Phase
     from topomesh.trace.tracer import PHASE_META, with_step_graph
 
@@ -201,7 +202,7 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
                             if node.meta.get(PHASE_META) in (Phase.FORWARD, Phase.BACKWARD)))
 
     with_step_graph(spec, parallelize, degrees, use, batch_size=batch_size, dtype=dtype)
-    if dict(degrees).get("tp", 1) <= 1:
+    if dict(degrees).get(Axis.TP.value, 1) <= 1:
         return InStep(out)
     try:
         eager = eager_fb_s(spec, parallelize, degrees, batch_size=batch_size, dtype=dtype, repeats=repeats)
@@ -227,25 +228,20 @@ def eager_fb_s(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch
     another run minutes before), where the built-in model at hidden 64
     (:func:`~topomesh.cost.dispatch.measure_tp_host_s`) gave 26-36 µs in three runs within minutes.
     Taken in the same child as the replay, just before the real run, it follows the VM's drift."""
-    import contextlib
-
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from topomesh.layout import groups
-    from topomesh.trace.tracer import fake_process_group, normalize_layout
+    from topomesh.trace.tracer import (
+        build_model,
+        fake_process_group,
+        loss_context,
+        normalize_layout,
+    )
 
     axes = normalize_layout(degrees)
     clock = time.thread_time_ns if torch.get_num_threads() == 1 else time.perf_counter_ns
     with fake_process_group(math.prod(d for _, d in axes)):
         mesh = groups.init_mesh("cpu", [d for _, d in axes], [a for a, _ in axes])
-        before = torch.get_default_dtype()
         torch.manual_seed(0)
-        try:
-            torch.set_default_dtype(dtype)
-            model = spec.build(spec.n_layers)
-        finally:
-            torch.set_default_dtype(before)
+        model = build_model(spec, spec.n_layers, dtype)
         if parallelize is not None:
             model = parallelize(model, mesh) or model
         inputs, labels = spec.make_inputs(batch_size)
@@ -254,7 +250,7 @@ def eager_fb_s(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch
             model.zero_grad(set_to_none=True)
             t0 = clock()
             out = model(*inputs)
-            with loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext():
+            with loss_context(out):
                 spec.loss(out, labels).backward()
             if i >= warmup:
                 times.append(clock() - t0)

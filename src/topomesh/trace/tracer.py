@@ -171,10 +171,10 @@ def _forget_meshes() -> None:
 
 _RING_FUNCTIONS = ("_templated_ring_attention", "_templated_ring_attention_backward")
 ROUND = "round"
+"""The label of a ring-round mark (:meth:`_Markers.watch_rounds`)."""
 PHASE_META = "topomesh_phase"
 """The ``node.meta`` key :func:`with_step_graph` sets on every node of the graph it hands out:
 the node's :class:`~topomesh.trace.graph.Phase`, as the trace's segments cut it."""
-"""The label of a ring-round mark (:meth:`_Markers.watch_rounds`)."""
 
 
 class _RingSize:
@@ -367,14 +367,25 @@ class _Markers:
         return nodes if rings and not cutting else None
 
 
-def _build(spec: ModelSpec, n_layers: int, dtype: torch.dtype, fake: FakeTensorMode) -> nn.Module:
+def build_model(spec: ModelSpec, n_layers: int, dtype: torch.dtype, fake: FakeTensorMode | None = None) -> nn.Module:
+    """``spec``'s model of ``n_layers`` blocks with ``dtype`` as the default dtype while it is
+    built (under ``fake``: fake tensors, as a trace builds it; else real ones)."""
     previous = torch.get_default_dtype()
     try:
-        with fake:
+        with fake if fake is not None else contextlib.nullcontext():
             torch.set_default_dtype(dtype)
             return spec.build(n_layers)
     finally:
         torch.set_default_dtype(previous)
+
+
+def loss_context(out: object) -> contextlib.AbstractContextManager:
+    """Where the loss of ``out`` is taken: under ``loss_parallel`` when the logits are a
+    DTensor (vocabulary-sharded under tensor parallel), as PyTorch asks, else as they are."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext()
 
 
 def _trace_error(spec: ModelSpec, stage: str, exc: BaseException) -> TraceError:
@@ -511,7 +522,7 @@ def _trace(
     with fake_process_group(world), chunks.fewer_views() if fewer_views else contextlib.nullcontext():
         mesh = groups.init_mesh("cpu", [d for _, d in axes], [a for a, _ in axes])
         try:
-            model = _build(spec, depth, dtype, fake)
+            model = build_model(spec, depth, dtype, fake)
             if parallelize is not None:
                 model = parallelize(model, mesh) or model
         except TopomeshError:
@@ -694,12 +705,10 @@ def _step_fn(
     optimizers: list[tuple[int | None, torch.optim.Optimizer]],
 ) -> Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
 
     def step(inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
         out = model(*inputs)
-        ctx = loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext()
-        with ctx:
+        with loss_context(out):
             loss = spec.loss(out, labels)
             markers.mark(Phase.BACKWARD.value)
             loss.backward()

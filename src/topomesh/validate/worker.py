@@ -408,15 +408,12 @@ def core_wait_ns(path: str = "/proc/thread-self/schedstat") -> int:
 
 
 def _plain_step(module: nn.Module, micro: int) -> Any:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from topomesh.trace.tracer import causal_lm_loss
+    from topomesh.trace.tracer import causal_lm_loss, loss_context
 
     def step(tokens: torch.Tensor) -> None:
         for chunk in tokens.chunk(micro):
             out = module(chunk)
-            with loss_parallel() if isinstance(out, DTensor) else contextlib.nullcontext():
+            with loss_context(out):
                 causal_lm_loss(out, chunk).backward()
 
     return step
