@@ -347,17 +347,24 @@ def test_a_shared_cache_directory_is_named_before_any_calibration_starts(tmp_pat
 
 
 FREE = [[0, 1]] * 4  # 4 ranks each free to run on both CPUs, as the real runs' ranks are
+ALL = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+STRETCH = {"2": 1.1, "4": 1.9}
 
 
 @pytest.mark.parametrize("meta, again", [
-    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}, "rank_cpus": FREE}, False),
-    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}}, False),  # before rank_cpus
-    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1}, "rank_cpus": FREE}, True),  # none for 4
-    ({"world_size": 4, "statistic": "mean", "rank_cpus": FREE}, True),  # a profile from before the stretch
-    ({"world_size": 2, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9}, "rank_cpus": FREE[:2]}, True),
-    ({"world_size": 4, "statistic": "median", "compute_stretch": {"2": 1.1, "4": 1.9}, "rank_cpus": FREE}, True),
-    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1, "4": 1.9},
-      "rank_cpus": [[0], [1], [0], [1]]}, True),  # ranks bound one CPU each
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE, "collectives": ALL}, False),
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "collectives": ALL}, False),  # before rank_cpus
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1}, "rank_cpus": FREE, "collectives": ALL},
+     True),  # no stretch for 4 ranks
+    ({"world_size": 4, "statistic": "mean", "rank_cpus": FREE, "collectives": ALL}, True),  # before the stretch
+    ({"world_size": 2, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE[:2], "collectives": ALL},
+     True),
+    ({"world_size": 4, "statistic": "median", "compute_stretch": STRETCH, "rank_cpus": FREE, "collectives": ALL}, True),
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": [[0], [1], [0], [1]],
+      "collectives": ALL}, True),  # ranks bound one CPU each
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE,
+      "collectives": [c for c in ALL if c != "all_to_all"]}, True),  # cp and ep layouts could not be priced
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE}, True),  # no list
 ])
 def test_a_profile_without_what_the_layouts_need_is_calibrated_again(tmp_path, monkeypatch, meta, again):
     from types import SimpleNamespace

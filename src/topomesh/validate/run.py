@@ -155,9 +155,12 @@ def compare(results: Sequence[LayoutResult]) -> dict[str, Any]:
 # ------------------------------------------------------------------ calibration
 
 
-SWEEP_ARGV = ("--collectives", "all_reduce,all_gather,reduce_scatter,send_recv", "--max-bytes", str(16 << 20),
+SWEEP_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+"""What validate's layouts issue: data and tensor parallel's reductions and gathers, context
+and expert parallel's all-to-all, a pipeline's send/recv (everything but broadcast)."""
+SWEEP_ARGV = ("--collectives", ",".join(SWEEP_COLLECTIVES), "--max-bytes", str(16 << 20),
               "--no-progress", "--backend", "gloo")
-"""The sweep validate calibrates with: the collectives its layouts issue, up to 16 MiB."""
+"""The sweep validate calibrates with: :data:`SWEEP_COLLECTIVES`, up to 16 MiB."""
 
 POOL = 4
 """Sweeps the collective profile is fitted over when validate adds one before each pass
@@ -168,7 +171,9 @@ the mean over four launches halves such spreads where they are the tail of one l
 
 def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     """The gloo profile of this host, calibrated now (one sweep of :func:`pooled_collectives`,
-    not pooled) when none is saved, the newest measured fewer ranks than ``world``, it reduced
+    not pooled) when none is saved, the newest measured fewer ranks than ``world`` or not every
+    one of :data:`SWEEP_COLLECTIVES` (all-to-all before 2026-11-26: `cp` and `ep` layouts then
+    stopped at pricing, "no model for all_to_all"), it reduced
     its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
     before 2026-11-25), it has no compute stretch for ``world`` ranks (before 2026-11-25's
     last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), or its ranks were
@@ -181,7 +186,9 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     try:
         prof, path = local_profile()
         stretch = prof.meta.get("compute_stretch")
+        swept = prof.meta.get("collectives")
         if (int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC
+                and isinstance(swept, list) and set(SWEEP_COLLECTIVES) <= set(swept)
                 and isinstance(stretch, dict) and (world < 2 or str(world) in stretch)
                 and _unbound(prof.meta.get("rank_cpus"))):
             return path

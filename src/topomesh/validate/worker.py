@@ -240,7 +240,12 @@ class StageModel(Transformer):
         return h
 
 
-PP_CP = "validate runs pipeline stages without cp (a stage would hand on its ring's sequence shards)."
+NO_CP = ("validate cannot run context parallel here: PyTorch's ring attention has rules for the CUDA attention "
+         "kernels only (none for the CPU kernel), and validate's runs of several ranks are gloo on CPU.")
+"""Why a ``cp`` axis > 1 is refused before anything is calibrated or run (torch 2.13:
+``torch.distributed.tensor.experimental._context_parallel`` maps the flash, efficient and
+cuDNN kernels, not ``_scaled_dot_product_flash_attention_for_cpu``; ``--device cuda`` runs
+one rank). The simulator still prices such layouts: the tracer issues the GPU kernel."""
 
 
 def _load_spec(path: Path) -> dict[str, Any]:
@@ -292,8 +297,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
 
         layout = resolve_layout(degrees, dist.get_world_size(), order=spec.get("order"))
         pp = layout.degree(Axis.PP)
-        if pp > 1 and layout.degree(Axis.CP) > 1:
-            raise LayoutError(PP_CP)
+        if layout.degree(Axis.CP) > 1:
+            raise LayoutError(NO_CP)
         if pp > 1 and training.schedule.multi_stage:
             raise LayoutError(f"validate runs single-stage pipeline schedules (gpipe, 1f1b), not {training.schedule}.")
         mixed = mixed_precision(layout, training)
