@@ -381,12 +381,12 @@ def test_tp_host_work_splits_into_blocks_and_the_rest(monkeypatch):
     assert block == pytest.approx(30e-6, rel=1e-9) and rest == pytest.approx(20e-6, rel=1e-9)
 
 
-def test_measured_tp_host_work_is_spread_over_the_forward_and_backward_ops_after_the_collectives():
-    """``with_tp_host``: the measured host seconds less each F/B collective's host work, per
+def test_measured_host_work_is_spread_over_the_forward_and_backward_ops_after_the_collectives():
+    """``with_fb_host``: the measured host seconds less each F/B collective's host work, per
     profilable F/B op; the optimizer's ops and its collectives do not count. Hand count: two
     ``mm`` and one functional all-gather (1 ms host) in a forward block, one ``mm`` in backward,
     one in the optimizer; 7 ms measured → (7 - 1) / 3 = 2 ms an op."""
-    from topomesh.sim.price import with_tp_host
+    from topomesh.sim.price import with_fb_host
     from topomesh.trace.graph import CollectiveKind, OpRecord, Phase, TensorMeta
     from topomesh.trace.result import Part, Segment, Trace
 
@@ -407,10 +407,32 @@ def test_measured_tp_host_work_is_spread_over_the_forward_and_backward_ops_after
                                     events=(mm(Phase.OPTIMIZER), ag(Phase.OPTIMIZER)))),
                   unknown_ops=())
     gpu = dataclasses.replace(load_cluster("dgx-h100", gpus=2), dtensor_collective_s=1e-3, dtensor_block_dispatch_s=9.0)
-    got = with_tp_host(gpu, trace, 7e-3)
-    assert got.dtensor_block_dispatch_s == pytest.approx(2e-3) and got.dtensor_rest_dispatch_s == pytest.approx(2e-3)
-    assert with_tp_host(gpu, trace, 0.5e-3).dtensor_block_dispatch_s == 0.0  # less than the collectives: none left
+    got = with_fb_host(gpu, trace, 7e-3)
+    assert got.fb_host_s == pytest.approx(2e-3)
+    assert with_fb_host(gpu, trace, 0.5e-3).fb_host_s == 0.0  # less than the collectives: none left
     deeper = dataclasses.replace(trace, n_layers=3)  # the block's 2 ops and 1 all-gather 3 times: (7 - 3) / 7
-    assert with_tp_host(gpu, deeper, 7e-3).dtensor_rest_dispatch_s == pytest.approx(4e-3 / 7)
+    assert with_fb_host(gpu, deeper, 7e-3).fb_host_s == pytest.approx(4e-3 / 7)
     bare = dataclasses.replace(trace, segments=trace.segments[2:])
-    assert with_tp_host(gpu, bare, 7e-3) is gpu  # no forward/backward op: nothing to spread it over
+    assert with_fb_host(gpu, bare, 7e-3) is gpu  # no forward/backward op: nothing to spread it over
+
+
+def test_the_measured_host_work_prices_forward_and_backward_ops_on_any_layout():
+    """``dtensor_dispatch``: a measured :attr:`Cluster.fb_host_s` charges every forward and
+    backward op, under expert parallel too (no TP: no DTensor figure applied before), and takes
+    the place of the TP figures; the optimizer keeps the per-op DTensor figure where its
+    parameters are sharded."""
+    from topomesh.sim.price import dtensor_dispatch
+    from topomesh.trace.graph import Phase
+    from topomesh.trace.result import Part
+
+    base = dataclasses.replace(load_cluster("dgx-h100", gpus=2), dtensor_dispatch_s=1.0, dtensor_block_dispatch_s=3.0,
+                               dtensor_rest_dispatch_s=2.0)
+    assert dtensor_dispatch(base, [("ep", 2)]) == {}  # nothing measured: an expert-parallel step is plain
+    measured = dataclasses.replace(base, fb_host_s=0.5)
+    assert dtensor_dispatch(measured, [("ep", 2)]) == {(p, part): 0.5 for p in (Phase.FORWARD, Phase.BACKWARD)
+                                                        for part in Part}
+    tp = dtensor_dispatch(measured, [("tp", 2)])
+    assert tp[(Phase.FORWARD, Part.BLOCK)] == 0.5 and tp[(Phase.BACKWARD, Part.REST)] == 0.5
+    assert tp[(Phase.OPTIMIZER, Part.BLOCK)] == 1.0
+    zero = dataclasses.replace(base, fb_host_s=0.0)  # measured as none: no charge, not the TP figure
+    assert (Phase.FORWARD, Part.BLOCK) not in dtensor_dispatch(zero, [("tp", 2)])

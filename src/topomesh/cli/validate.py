@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from topomesh.cost.devices import current_device_spec
     from topomesh.errors import CalibrationError, LayoutError
     from topomesh.sim.inputs import load_model
-    from topomesh.sim.price import grad_add_records, with_tp_host
+    from topomesh.sim.price import grad_add_records, with_fb_host
     from topomesh.sim.schedules import Schedule
     from topomesh.sim.simulate import Simulator, Training
     from topomesh.topology.discover import allowed_cpus
@@ -187,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
                     step = in_step_tables(args.model, args.seq_len, [(text, lay)], training,
                                           threads=args.threads).get(text)
             cluster = clusters[lay.world_size]
-            if step is not None and step.host_fb_s is not None:  # TP's host work, measured on this step
-                cluster = with_tp_host(cluster, traces[text], step.host_fb_s)
+            if step is not None and step.host_fb_s is not None:  # TP's or EP's host work, measured on this step
+                cluster = with_fb_host(cluster, traces[text], step.host_fb_s)
             # one simulator per layout: op times are memoized per simulator, and each layout has its own
             sim = Simulator(model=model, cluster=cluster, cache=cache,
                             table={**table, **(step.table if step is not None else {})})

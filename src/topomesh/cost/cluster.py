@@ -121,6 +121,12 @@ class Cluster:
     and the collectives' host work, per traced op (:func:`topomesh.cost.dispatch.measure_tp_host_s`).
     It holds what a chain of one op does not: the parallel styles' hooks, layouts and
     redistributions, autograd around them, the loss's many small ops. 0: not measured."""
+    fb_host_s: float | None = None
+    """Where ``validate`` measured it on the layout's own eager step
+    (:func:`topomesh.sim.price.with_fb_host`): what each traced forward or backward op costs the
+    computing thread beyond the op itself, under tensor or expert parallel (DTensor's dispatch,
+    the parallel styles' and expert parallel's hooks, autograd around them); it takes the place
+    of :attr:`dtensor_block_dispatch_s` and ``_rest_`` for those phases. None: not measured."""
     fsdp_reduce_s: float = 0.0
     """Host seconds an FSDP2 unit's hooks and reduction cost on the computing thread per forward
     and backward, paid per reduction FSDP2 issues (a ``c10d.`` reduce-scatter or all-reduce

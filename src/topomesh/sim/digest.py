@@ -73,7 +73,7 @@ def pricing_fingerprint(cluster: Any, table: Mapping) -> str:
     for part in (code_fingerprint(), repr(cluster.device), repr(cluster.core_share), repr(cluster.compute_share),
                  repr(cluster.dtensor_dispatch_s), repr(cluster.dtensor_collective_s), repr(cluster.collectives_share_compute),
                  repr(cluster.fsdp_reduce_s), repr(cluster.fsdp_gather_s), repr(cluster.dtensor_block_dispatch_s),
-                 repr(cluster.dtensor_rest_dispatch_s)):
+                 repr(cluster.dtensor_rest_dispatch_s), repr(cluster.fb_host_s)):
         h.update(part.encode() + b"\0")
     for k, v in sorted(table.items(), key=lambda kv: repr(kv[0])):
         h.update(repr(k).encode() + b"=" + repr(v).encode() + b"\0")

@@ -462,7 +462,9 @@ def dtensor_dispatch(cluster: Cluster, layout: Iterable[tuple[str, int]]) -> dic
     on DTensors: under tensor parallel the figures measured inside and outside the blocks
     (:attr:`Cluster.dtensor_block_dispatch_s`, ``_rest_``) where the cluster has them, else the
     per-op figure of a chain (:attr:`Cluster.dtensor_dispatch_s`, also the optimizer's on
-    sharded parameters); at the cluster's compute share. Empty where nothing is charged.
+    sharded parameters); at the cluster's compute share. Where the layout's own step measured
+    it (:attr:`Cluster.fb_host_s`), that figure for every forward and backward op, whatever the
+    axes. Empty where nothing is charged.
 
     >>> import dataclasses
     >>> from topomesh.cost.cluster import load_cluster
@@ -474,11 +476,15 @@ def dtensor_dispatch(cluster: Cluster, layout: Iterable[tuple[str, int]]) -> dic
     {}
     """
     out = {}
-    for phase in dtensor_phases(layout):
+    phases = dtensor_phases(layout)
+    if cluster.fb_host_s is not None:  # measured on this layout's own step, whatever its axes
+        phases |= {Phase.FORWARD, Phase.BACKWARD}
+    for phase in phases:
         for part in Part:
             s = cluster.dtensor_dispatch_s
             if phase is not Phase.OPTIMIZER:
                 s = (cluster.dtensor_block_dispatch_s if part is Part.BLOCK else cluster.dtensor_rest_dispatch_s) or s
+                s = s if cluster.fb_host_s is None else cluster.fb_host_s
             if s:
                 out[(phase, part)] = s * cluster.compute_share
     return out
@@ -499,12 +505,12 @@ def collective_host_s(cluster: Cluster, e: CollectiveRecord) -> float:
     return 0.0
 
 
-def with_tp_host(cluster: Cluster, trace: Trace, host_fb_s: float) -> Cluster:
-    """``cluster`` with tensor parallel's host work per forward and backward op
-    (:attr:`Cluster.dtensor_block_dispatch_s` and ``_rest_``) taken from ``host_fb_s``, the
-    host work one micro-batch's forward and backward of ``trace`` (composed to full depth) measured
-    beyond its ops (:func:`topomesh.cost.instep.eager_fb_s` less the replay): what is left after
-    its collectives' host work (:func:`collective_host_s`), per op :meth:`Pricer.digest` prices.
+def with_fb_host(cluster: Cluster, trace: Trace, host_fb_s: float) -> Cluster:
+    """``cluster`` with the host work of each forward and backward op (:attr:`Cluster.fb_host_s`)
+    taken from ``host_fb_s``, the host work one micro-batch's forward and backward of ``trace``
+    (composed to full depth) measured beyond its ops (:func:`topomesh.cost.instep.eager_fb_s`
+    less the replay): what is left after its collectives' host work (:func:`collective_host_s`),
+    per op :meth:`Pricer.digest` prices.
 
     Where the trace has no such op, ``cluster`` as it is.
     """
@@ -518,8 +524,7 @@ def with_tp_host(cluster: Cluster, trace: Trace, host_fb_s: float) -> Cluster:
             colls += collective_host_s(cluster, e)
     if not ops:
         return cluster
-    per_op = max(0.0, host_fb_s - colls) / ops
-    return dataclasses.replace(cluster, dtensor_block_dispatch_s=per_op, dtensor_rest_dispatch_s=per_op)
+    return dataclasses.replace(cluster, fb_host_s=max(0.0, host_fb_s - colls) / ops)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
