@@ -296,15 +296,57 @@ def test_pipeline_runs_keep_no_outputs(monkeypatch):
         def step(self, *args, **kwargs):  # noqa: ANN002, ANN003
             calls.append(kwargs)
 
-    class FakeMesh:
-        def get_group(self, name):  # noqa: ANN001
-            return None
-
     monkeypatch.setattr(pipelining, "PipelineStage", lambda *a, **k: object())
     monkeypatch.setattr(schedules, "get_schedule_class", lambda name: FakeSchedule)
-    step = worker._pipeline_step(torch.nn.Linear(2, 2), FakeMesh(), 1, 2, 4, Training(global_batch=4))
+    step = worker._pipeline_step([torch.nn.Linear(2, 2)], [1], 2, _FakeMesh(), 4, Training(global_batch=4))
     step(torch.zeros(4, 2, dtype=torch.long))
     assert calls and calls[0]["return_outputs"] is False and calls[0]["target"] is not None
+
+
+class _FakeMesh:
+    def get_group(self, name):  # noqa: ANN001
+        return None
+
+
+@pytest.mark.parametrize("schedule, stages, n_stages, named, first, last", [
+    ("1f1b", [1], 2, "1F1B", False, True),
+    ("interleaved-1f1b", [0, 2], 4, "Interleaved1F1B", True, False),  # looped: rank 0 of pp=2, interleave 2
+    ("zbv", [1, 2], 4, "ZBVZeroBubble", False, False),  # V: rank 1 of pp=2 holds stages 1 and 2
+    ("zbv", [0, 3], 4, "ZBVZeroBubble", True, True),  # rank 0: the first stage and the last
+])
+def test_a_pipeline_rank_runs_every_stage_it_holds(monkeypatch, schedule, stages, n_stages, named, first, last):
+    """Multi-stage schedules get this rank's stages as a list, in order, each a PipelineStage
+    of its global index; the rank feeds tokens where it holds stage 0 and targets where it
+    holds the last."""
+    import torch.distributed.pipelining as pipelining
+    import torch.distributed.pipelining.schedules as schedules
+
+    from topomesh.sim.schedules import Schedule
+    from topomesh.sim.simulate import Training
+    from topomesh.validate import worker
+
+    made, got = [], {}
+
+    class FakeSchedule:
+        def __init__(self, stage, n_microbatches, loss_fn):  # noqa: ANN001
+            got["stage"], got["n"] = stage, n_microbatches
+
+        def step(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            got["args"], got["target"] = args, kwargs["target"]
+
+    def fake_stage(module, index, n, device, group):  # noqa: ANN001, ANN202
+        made.append((index, n))
+        return f"stage{index}"
+
+    monkeypatch.setattr(pipelining, "PipelineStage", fake_stage)
+    monkeypatch.setattr(schedules, "get_schedule_class", lambda name: got.setdefault("class", name) and FakeSchedule)
+    training = Training(global_batch=4, schedule=Schedule(schedule), interleave=2 if schedule.startswith("inter") else 1)
+    step = worker._pipeline_step([torch.nn.Linear(2, 2) for _ in stages], stages, n_stages, _FakeMesh(), 4, training)
+    step(torch.zeros(4, 2, dtype=torch.long))
+    assert made == [(s, n_stages) for s in stages] and got["class"] == named and got["n"] == 4
+    multi = Schedule(schedule).multi_stage
+    assert got["stage"] == ([f"stage{s}" for s in stages] if multi else f"stage{stages[0]}")
+    assert (len(got["args"]) == 1) == first and (got["target"] is not None) == last
 
 
 def test_a_failed_child_is_one_error_naming_what_and_its_cause(monkeypatch):

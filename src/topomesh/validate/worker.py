@@ -12,10 +12,13 @@ and the worker trains exactly what the simulator traced:
   FSDP2/HSDP, mixed precision, recomputation) on the topology-placed mesh;
 * AdamW one parameter at a time (the tracer's :func:`~topomesh.trace.tracer.default_optimizer`),
   the float32 token cross-entropy (``loss_parallel`` when the logits are vocab-sharded);
-* with ``pp > 1``: one ``PipelineStage`` per pipeline rank holding the layers
-  :func:`~topomesh.sim.simulate.split_layers` gives it, run by the torch schedule class
-  the simulator takes its action order from (:mod:`topomesh.sim.schedules`), its outputs not
-  kept (``return_outputs=False``: a training loop reads only the losses);
+* with ``pp > 1``: a ``PipelineStage`` for each stage the pipeline rank holds — one, or with
+  a multi-stage schedule the stages :func:`~topomesh.sim.schedules.rank_stages` gives it
+  (looped for the interleaved ones, a V for ZBV and DualPipeV), each parallelized on its
+  own — holding the layers :func:`~topomesh.sim.simulate.split_layers` gives that stage, run
+  by the torch schedule class the simulator takes its action order from
+  (:mod:`topomesh.sim.schedules`), its outputs not kept (``return_outputs=False``: a training
+  loop reads only the losses);
 * without a pipeline: the micro-batches one after the other (gradient accumulation).
 
 Measurement: ``torch.set_num_threads(threads)`` in every process (and one inter-op thread);
@@ -270,7 +273,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     from topomesh.layout.api import mesh_from_topology
     from topomesh.layout.dims import Axis
     from topomesh.sim.inputs import load_model
-    from topomesh.sim.schedules import Schedule
+    from topomesh.sim.schedules import Schedule, rank_stages, stage_count
     from topomesh.sim.simulate import DTYPES, Training, mixed_precision, split_layers
     from topomesh.trace.tracer import default_optimizer
 
@@ -299,8 +302,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         pp = layout.degree(Axis.PP)
         if layout.degree(Axis.CP) > 1:
             raise LayoutError(NO_CP)
-        if pp > 1 and training.schedule.multi_stage:
-            raise LayoutError(f"validate runs single-stage pipeline schedules (gpipe, 1f1b), not {training.schedule}.")
         mixed = mixed_precision(layout, training)
         dtype = torch.float32 if mixed else DTYPES[training.dtype]
         dp = layout.degree(Axis.DP_REPLICATE) * layout.degree(Axis.DP_SHARD)
@@ -311,22 +312,25 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             torch.manual_seed(0)
             with device:  # parameters and buffers made where they train
                 if pp > 1:
-                    stage = mesh.get_local_rank(Axis.PP.value)
-                    layers = split_layers(cfg.n_layers, pp)
-                    module: nn.Module = StageModel(cfg, layers[stage], first=stage == 0, last=stage == pp - 1)
+                    interleave = training.interleave if training.schedule.multi_stage else 1
+                    n_stages = stage_count(training.schedule, pp, interleave)
+                    stages = rank_stages(training.schedule, pp, interleave, mesh.get_local_rank(Axis.PP.value))
+                    layers = split_layers(cfg.n_layers, n_stages)
+                    modules: list[nn.Module] = [StageModel(cfg, layers[s], first=s == 0, last=s == n_stages - 1)
+                                                for s in stages]
                 else:
-                    stage, module = 0, Transformer(cfg)
+                    n_stages, stages, modules = 1, [0], [Transformer(cfg)]
         finally:
             torch.set_default_dtype(previous)
         sub = [a.value for a in layout.mesh_axes if a is not Axis.PP]
         inner = mesh[tuple(sub)] if sub and pp > 1 else (mesh if sub else None)
         parallelize = model_def.parallelize(training, mixed)
         if inner is not None and parallelize is not None:
-            module = parallelize(module, inner) or module
-        optimizer = default_optimizer([p for p in module.parameters() if p.requires_grad])
+            modules = [parallelize(m, inner) or m for m in modules]
+        optimizer = default_optimizer([p for m in modules for p in m.parameters() if p.requires_grad])
         tp = layout.degree(Axis.TP)
-        step_fn = (_pipeline_step(module, mesh, stage, pp, micro, training, tp=tp, device=device) if pp > 1
-                   else _plain_step(module, micro))
+        step_fn = (_pipeline_step(modules, stages, n_stages, mesh, micro, training, tp=tp, device=device) if pp > 1
+                   else _plain_step(modules[0], micro))
         g = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, cfg.vocab_size, (training.micro_batch * micro, cfg.seq_len), generator=g).to(device)
 
@@ -429,13 +433,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int, training: Any, *,
-                   tp: int = 1, device: torch.device | None = None) -> Any:
-    """One step of torch's pipeline schedule over this rank's stage. Under tp the blocks hand
-    each other (and so each stage the next) this rank's plain local piece of the residual
-    stream — the built-in plan's styles return local outputs — so stages send plain tensors;
-    only the last stage's vocab-sharded logits are DTensors, whose loss and its backward run
-    under ``loss_parallel`` as in a plain step."""
+def _pipeline_step(modules: list[nn.Module], stages: list[int], n_stages: int, mesh: Any, micro: int,
+                   training: Any, *, tp: int = 1, device: torch.device | None = None) -> Any:
+    """One step of torch's pipeline schedule over this rank's stages (``modules[i]`` is global
+    stage ``stages[i]`` of ``n_stages``): single-stage schedules get the one stage, multi-stage
+    ones the list. Under tp the blocks hand each other (and so each stage the next) this rank's
+    plain local piece of the residual stream — the built-in plan's styles return local
+    outputs — so stages send plain tensors; only the last stage's vocab-sharded logits are
+    DTensors, whose loss and its backward run under ``loss_parallel`` as in a plain step."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
@@ -443,18 +448,22 @@ def _pipeline_step(module: nn.Module, mesh: Any, stage: int, pp: int, micro: int
 
     from topomesh.trace.tracer import causal_lm_loss
 
-    if isinstance(module, FSDPModule):
-        # torchtitan's default under PP: parameters stay gathered from a stage's first forward
-        # to its last backward. With the default, every forward resharded them and the next
-        # action gathered again: 5 all-gathers per unit in a 4-micro-batch 1F1B step, not 1.
-        module.set_reshard_after_forward(False)
-    pipe = PipelineStage(module, stage, pp, device or torch.device("cpu"), group=mesh.get_group("pp"))
-    schedule = get_schedule_class(training.schedule.torch_name)(pipe, n_microbatches=micro, loss_fn=causal_lm_loss)
-    last = stage == pp - 1
+    group = mesh.get_group("pp")
+    pipes = []
+    for module, s in zip(modules, stages, strict=True):
+        if isinstance(module, FSDPModule):
+            # torchtitan's default under PP: parameters stay gathered from a stage's first forward
+            # to its last backward. With the default, every forward resharded them and the next
+            # action gathered again: 5 all-gathers per unit in a 4-micro-batch 1F1B step, not 1.
+            module.set_reshard_after_forward(False)
+        pipes.append(PipelineStage(module, s, n_stages, device or torch.device("cpu"), group=group))
+    cls = get_schedule_class(training.schedule.torch_name)
+    schedule = cls(pipes if training.schedule.multi_stage else pipes[0], n_microbatches=micro, loss_fn=causal_lm_loss)
+    first, last = 0 in stages, n_stages - 1 in stages
     sharded_loss = tp > 1 and last
 
     def step(tokens: torch.Tensor) -> None:
-        args = (tokens,) if stage == 0 else ()
+        args = (tokens,) if first else ()
         # return_outputs=False: by default the last stage keeps every micro-batch's output (the
         # logits) to return them merged, 4.2 MB more at its peak here that training never reads
         with loss_parallel() if sharded_loss else contextlib.nullcontext():
