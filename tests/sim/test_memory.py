@@ -128,3 +128,61 @@ def test_one_pass_follows_what_is_live_piece_by_piece():
     # a large reduction at the end now sets the peak: embedding's 80 -> 200 ends at 40 + 400 + 3
     bigger = dataclasses.replace(plan, backward=(*plan.backward[:2], *pieces((dataclasses.replace(bwd_pre, reduce_bytes=200), 1, "embed bwd"))))
     assert _one_pass_bytes(p, bigger) == 443
+
+
+def _stage_class(saved: int, boundary: int):  # noqa: ANN202
+    from topomesh.sim.price import PricedClass, Work
+    from topomesh.trace.result import StateBytes
+
+    empty = Work()
+    return PricedClass(fwd_pre=empty, fwd_block=Work(saved_bytes=saved), fwd_post=empty, bwd_post=empty,
+                       bwd_block=empty, bwd_pre=empty, opt_block=empty, opt_first=empty, opt_last=empty,
+                       block_state=StateBytes(), first_state=StateBytes(), last_state=StateBytes(),
+                       boundary_bytes=boundary)
+
+
+@pytest.mark.parametrize("schedule, pp, interleave, micro, want", [
+    # 1F1B, 4 stages: the first and the last stage receive in one direction, the middle ones in both
+    ("1f1b", 4, 1, 8, [8 * 10, 16 * 10, 16 * 10, 8 * 10]),
+    # interleaved, 4 stages on 2 ranks: rank 0 holds 0 (a gradient) and 2 (both), rank 1 holds 1 (both) and 3 (an input)
+    ("interleaved-1f1b", 2, 2, 4, [3 * 4 * 10, 3 * 4 * 10]),
+    # V: rank 0 holds 0 and 3 (one each), rank 1 holds 1 and 2 (both each)
+    ("zbv", 2, 1, 4, [2 * 4 * 10, 4 * 4 * 10]),
+])
+def test_pipeline_stages_keep_a_receive_buffer_per_micro_batch(schedule, pp, interleave, micro, want):
+    """PyTorch's PipelineStage makes, before the first step, one buffer per micro-batch for its
+    input (all but the first stage) and for its output's gradient (all but the last), each the
+    boundary's bytes (10 here): measured on ``validate_llama.json``, pp=2, 8 micro-batches,
+    8 blocks of 128 KiB a rank with 1F1B, 24 interleaved."""
+    from topomesh.sim.schedules import Schedule, action_order, rank_stages, stage_count
+    from topomesh.sim.simulate import _memory, _stage_plan
+
+    p = _stage_class(100, 10)
+    stages = stage_count(Schedule(schedule), pp, interleave)
+    layers = [1] * stages
+    stage_rank = [0] * stages
+    for r in range(pp):
+        for s in rank_stages(Schedule(schedule), pp, interleave, r):
+            stage_rank[s] = r
+    plans = [_stage_plan(p, s, stages, n, pipelined=True) for s, n in enumerate(layers)]
+    actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
+    got = [_memory(p, plans, layers, actions[r], r, stage_rank) for r in range(pp)]
+    assert [m.receive_bytes for m in got] == want
+    assert all(m.peak_bytes == m.activations_bytes + m.transient_bytes + m.receive_bytes for m in got)
+    one = _memory(p, [_stage_plan(p, 0, 1, 2)], [2], action_order("1f1b", pp=1, microbatches=4)[0], 0, [0])
+    assert one.receive_bytes == 0  # no pipeline, nothing received
+
+
+def test_a_zero_bubble_micro_batch_keeps_its_activations_until_its_weight_gradients():
+    """``stage_backward_input`` runs autograd with ``retain_graph``: the saved tensors stay until
+    the W. Hand order F0 I0 F1 W0 I1 W1 on one stage saving 100 a micro-batch: 100, 100, 200,
+    100, 100, 0 — peak 200 with both in flight (freeing at I would say 100)."""
+    from topomesh.sim.schedules import Action, Kind, in_flight
+    from topomesh.sim.simulate import _memory, _stage_plan
+
+    p = _stage_class(100, 0)
+    order = [Action(0, Kind.F, 0), Action(0, Kind.I, 0), Action(0, Kind.F, 1), Action(0, Kind.W, 0),
+             Action(0, Kind.I, 1), Action(0, Kind.W, 1)]
+    got = _memory(p, [_stage_plan(p, 0, 1, 1, pipelined=True)], [1], order, 0, [0])
+    assert (got.activations_bytes, got.in_flight) == (200, 2)
+    assert in_flight(order) == 2

@@ -48,17 +48,21 @@ class StageMemory:
     """Gathered parameters (FSDP, the current and the prefetched piece), in backward the
     gradient-reduction buffers (unsharded gradients, the reduce inputs of the piece and of
     the one before), and the largest tensor one op produces."""
+    receive_bytes: int = 0
+    """A pipeline's receive buffers: PyTorch's ``PipelineStage`` makes one per micro-batch for
+    each stage's input (all but the first stage) and for its output's gradient (all but the
+    last) before the first step, and keeps them."""
 
     @property
     def peak_bytes(self) -> int:
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.transient_bytes)
+                + self.transient_bytes + self.receive_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "peak_bytes": self.peak_bytes, "params_bytes": self.params_bytes,
                 "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
                 "activations_bytes": self.activations_bytes, "in_flight": self.in_flight,
-                "transient_bytes": self.transient_bytes}
+                "transient_bytes": self.transient_bytes, "receive_bytes": self.receive_bytes}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

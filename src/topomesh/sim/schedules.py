@@ -178,7 +178,8 @@ def _single_stage(schedule: Schedule, pp: int, m: int, rank: int) -> list[Action
 
 def in_flight(actions: list[Action]) -> int:
     """Most micro-batches whose forward ran on this rank and whose backward has not (per
-    stage, summed): how many micro-batches' activations the rank holds at its peak.
+    stage, summed; a zero-bubble micro-batch until its W: ``stage_backward_input`` keeps the
+    graph): how many micro-batches' activations the rank holds at its peak.
 
     >>> in_flight(action_order("1f1b", pp=4, microbatches=8)[0])
     4
@@ -189,6 +190,6 @@ def in_flight(actions: list[Action]) -> int:
         if a.kind is Kind.F:
             live.add((a.stage, a.mb))
             best = max(best, len(live))
-        elif a.kind in (Kind.B, Kind.I):
+        elif a.kind in (Kind.B, Kind.W):
             live.discard((a.stage, a.mb))
     return best

@@ -528,15 +528,21 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             live[(a.stage, a.mb)] = saved.get(a.stage, 0)
             act_peak = max(act_peak, total)
             most = max(most, len(live))
-        elif a.kind is Kind.B or a.kind is Kind.I:
+        elif a.kind is Kind.B or a.kind is Kind.W:
+            # a zero-bubble I keeps the graph (``stage_backward_input``: retain_graph) and so its
+            # saved tensors; the W after it frees them
             total -= live.pop((a.stage, a.mb), 0)
     transient = gathered + peak_out
+    # PipelineStage's receive buffers, one per micro-batch and stage boundary it receives over
+    micro = 1 + max((a.mb for a in actions), default=-1)
+    receive = p.boundary_bytes * micro * sum((s > 0) + (s < last) for s in mine) if len(layers) > 1 else 0
     if one_stage and most == 1:  # one micro-batch at a time: what is live when, piece by piece
         transient = max(0, _one_pass_bytes(p, plans[0]) - act_peak)
     # the sharded gradients appear only when those reductions run (set_to_none between steps)
     return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=max(state.grads, accumulated),
                        optimizer_bytes=state.optimizer,
-                       activations_bytes=act_peak, in_flight=most, transient_bytes=transient)
+                       activations_bytes=act_peak, in_flight=most, transient_bytes=transient,
+                       receive_bytes=receive)
 
 
 def _one_pass_bytes(p: PricedClass, plan: StagePlan) -> int:
