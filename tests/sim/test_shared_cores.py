@@ -436,3 +436,34 @@ def test_the_measured_host_work_prices_forward_and_backward_ops_on_any_layout():
     assert tp[(Phase.OPTIMIZER, Part.BLOCK)] == 1.0
     zero = dataclasses.replace(base, fb_host_s=0.0)  # measured as none: no charge, not the TP figure
     assert (Phase.FORWARD, Part.BLOCK) not in dtensor_dispatch(zero, [("tp", 2)])
+
+
+def test_a_measured_backward_split_prices_zero_bubble_halves_as_shares_of_the_full_backward():
+    """A block backward of 10 s whose matmul weight gradients are 3: without a measurement I is
+    10 - 3 = 7 and W 3 (they sum to B); with the CPU's measured shares (0.9, 0.3), I is 9 and W 3,
+    as ``stage_backward_input`` then ``stage_backward_weight`` cost more than ``stage_backward``."""
+    from topomesh.sim.price import PricedClass, Work
+    from topomesh.sim.simulate import _pieces
+    from topomesh.trace.result import StateBytes
+
+    empty, state = Work(), StateBytes()
+    p = PricedClass(fwd_pre=empty, fwd_block=empty, fwd_post=empty, bwd_post=empty,
+                    bwd_block=Work(compute_s=10.0, weight_grad_s=3.0), bwd_pre=empty, opt_block=empty,
+                    opt_first=empty, opt_last=empty, block_state=state, first_state=state, last_state=state,
+                    boundary_bytes=0)
+    plan = _pieces(p, 1, 4, 2)  # a middle stage of two blocks
+    assert [(pc.work.compute_s, pc.count) for pc in plan.backward_input] == [(7.0, 2)]
+    assert [(pc.work.compute_s, pc.count) for pc in plan.backward_weight] == [(3.0, 2)]
+    measured = _pieces(dataclasses.replace(p, backward_split=(0.9, 0.3)), 1, 4, 2)
+    assert [pc.work.compute_s for pc in measured.backward_input] == [pytest.approx(9.0)]
+    assert [pc.work.compute_s for pc in measured.backward_weight] == [pytest.approx(3.0)]
+    assert [pc.work.compute_s for pc in measured.backward] == [10.0]  # the full backward is as it was
+
+
+def test_the_backward_split_is_measured_on_pytorchs_own_halves():
+    # one real measurement (well under a second here): I costs most of a full backward, W a
+    # fraction of it; a swap of the two, or B taken with its forward, would break these
+    from topomesh.cost.dispatch import measure_split_shares
+
+    i_share, w_share = measure_split_shares(hidden=64, seq_len=64, repeats=5)
+    assert 0.4 < i_share < 2.0 and 0.02 < w_share < 1.0 and i_share > w_share

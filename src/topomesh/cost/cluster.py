@@ -134,6 +134,12 @@ class Cluster:
     ``local``); 0 for GPU presets, as :attr:`dtensor_dispatch_s`."""
     fsdp_gather_s: float = 0.0
     """Host seconds an FSDP2 all-gather (a ``c10d.`` all-gather record) adds, as :attr:`fsdp_reduce_s`."""
+    backward_split: tuple[float, float] | None = None
+    """Measured where the ranks compute on CPUs (``local``): what a zero-bubble schedule's
+    backward for inputs (I) and for weights (W) cost as shares of a full backward of the same
+    piece, as PyTorch's ``stage_backward_input`` and ``stage_backward_weight`` run them
+    (:func:`topomesh.cost.dispatch.measure_split_shares`; about 0.9 and 0.3 here). None: the
+    simulator's split (W half the backward matmuls, I the rest; GPU presets)."""
     compute_stretch: float | None = None
     """Measured where ranks share a host's cores (``local``): how many times longer compute takes
     until every rank of the node has finished it, all running it at once, than on one rank alone
@@ -438,6 +444,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
         dtensor_collective_s,
         dtensor_dispatch_s,
         fsdp_host_s,
+        split_shares,
         tp_host_s,
     )
     from topomesh.topology.discover import allowed_cpus
@@ -456,6 +463,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    dtensor_collective_s=dtensor_collective_s(directory=directory),
                    dtensor_block_dispatch_s=tp_block, dtensor_rest_dispatch_s=tp_rest,
                    fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
+                   backward_split=split_shares(directory=directory),
                    compute_stretch=float(stretch) if isinstance(stretch, int | float) and 1 <= stretch <= 1e3 else None,
                    collective_in_step_s=in_step if n > 1 else ())
 

@@ -287,6 +287,81 @@ def tp_host_s(*, directory: Path | None = None, refresh: bool = False) -> tuple[
     return got[0], got[1]
 
 
+def measure_split_shares(*, hidden: int = 256, seq_len: int = 256, repeats: int = 15) -> tuple[float, float]:
+    """(I, W) of PyTorch's zero-bubble split as shares of a full backward, on this CPU: one block
+    of the built-in transformer (Llama, bfloat16, ``hidden`` wide, ``seq_len`` tokens, its
+    input a leaf as a later stage's is), backward of a random output gradient by
+    ``torch.distributed.pipelining``'s own ``stage_backward`` (B) against ``stage_backward_input``
+    (I: input gradients, the graph retained) then ``stage_backward_weight`` (W), median thread
+    CPU seconds of each after a warm-up.
+
+    The simulator's default split (W: half the backward matmuls, I: the rest) sums to B. Here
+    I alone took about what B took and W a fifth to a third more: one block of
+    ``validate_llama.json`` at 128, 256 and 512 tokens, B 5.2 / 7.4 / 14.1 ms, I 4.7 / 7.3 /
+    15.0, W 1.5 / 2.2 / 3.0 (2-vCPU Xeon, one thread), I + W = 1.21-1.28 B."""
+    import torch
+    from torch.distributed.pipelining._backward import (
+        stage_backward,
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    from topomesh.models.transformer import Arch, Transformer, TransformerConfig
+
+    cfg = TransformerConfig(name="zb-split", arch=Arch.LLAMA, n_layers=1, hidden=hidden, n_heads=8, n_kv_heads=4,
+                            ffn_hidden=hidden * 11 // 4, vocab_size=256, seq_len=seq_len)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    block, rope = model.layers["0"], model.rope()
+    params = list(block.parameters())
+    x0 = torch.randn(1, seq_len, hidden, dtype=torch.bfloat16)
+    grad = torch.randn_like(x0)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        x = x0.clone().requires_grad_(True)
+        return x, block(x, rope)
+
+    def full() -> None:
+        x, y = forward()
+        stage_backward(y, grad, [x])
+        block.zero_grad(set_to_none=True)
+
+    split: dict[str, list[float]] = {"f": [], "i": [], "w": []}
+
+    def halves() -> None:
+        c0 = time.thread_time()
+        x, y = forward()
+        c1 = time.thread_time()
+        _, groups = stage_backward_input([y], [grad], [x], iter(params))
+        c2 = time.thread_time()
+        stage_backward_weight(iter(params), groups)
+        c3 = time.thread_time()
+        block.zero_grad(set_to_none=True)
+        for key, dt in zip("fiw", (c1 - c0, c2 - c1, c3 - c2), strict=True):
+            split[key].append(dt)
+
+    fwd_s = _median_thread_s(lambda: forward(), repeats=repeats)
+    b_s = max(_median_thread_s(full, repeats=repeats) - fwd_s, 1e-9)
+    for _ in range(repeats + 1):
+        halves()
+    i_s, w_s = (statistics.median(split[k][1:]) for k in "iw")
+    return i_s / b_s, w_s / b_s
+
+
+def split_shares(*, directory: Path | None = None, refresh: bool = False) -> tuple[float, float]:
+    """(I, W) shares of a full backward: :func:`measure_split_shares`, kept as
+    :func:`dtensor_dispatch_s` keeps its own (``devices/zb-split-<hash>.json``)."""
+    got = _cached("zb-split", ("backward_input_share", "backward_weight_share"), measure_split_shares,
+                  "thread CPU time, one bf16 Llama block (hidden 256, 256 tokens): stage_backward_input and "
+                  "stage_backward_weight over stage_backward", directory, refresh)
+    return got[0], got[1]
+
+
 def fsdp_host_s(*, directory: Path | None = None, refresh: bool = False) -> tuple[float, float]:
     """(seconds per FSDP2 reduction, seconds per FSDP2 all-gather): :func:`measure_fsdp_host_s`,
     one measurement kept as :func:`dtensor_dispatch_s` keeps its own (``devices/fsdp-host-<hash>.json``)."""

@@ -138,6 +138,9 @@ class PricedClass:
     fsdp_grad_add_s_per_byte: float = 0.0
     """The same for FSDP2's unsharded accumulated gradient under a pipeline (the reduction's
     dtype += the all-gather's)."""
+    backward_split: tuple[float, float] | None = None
+    """The cluster's measured (I, W) shares of a full backward
+    (:attr:`~topomesh.cost.cluster.Cluster.backward_split`); None: W is half the backward matmuls."""
 
 
 GRAD_ADD_PROBE_BYTES = 64 * 2**20
@@ -607,6 +610,7 @@ def price_digest(d: ClassDigest, pricer: Pricer) -> PricedClass:
         roofline_ops=sum(p.roofline for p in d.pieces().values()),
         grad_add_s_per_byte=grad_add_s_per_byte(pricer, *d.grad_dtypes),
         fsdp_grad_add_s_per_byte=grad_add_s_per_byte(pricer, *d.fsdp_grad_dtypes),
+        backward_split=pricer.cluster.backward_split,
     )
 
 

@@ -481,9 +481,14 @@ def _pieces(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
     fwd = pieces((p.fwd_pre, 1, "embed fwd", first), (p.fwd_block, n, "block fwd", True), (p.fwd_post, 1, "head fwd", last))
     bwd_items = ((p.bwd_post, 1, "head bwd", last), (p.bwd_block, n, "block bwd", True), (p.bwd_pre, 1, "embed bwd", first))
     bwd = pieces(*bwd_items)
-    bwd_i = tuple(Piece(work=dataclasses.replace(w, reduce=(), compute_s=w.compute_s - w.weight_grad_s), count=c,
+    def split(w: Work) -> tuple[float, float]:  # (I, W) seconds of a piece's backward
+        if p.backward_split is None:
+            return w.compute_s - w.weight_grad_s, w.weight_grad_s
+        return w.compute_s * p.backward_split[0], w.compute_s * p.backward_split[1]
+
+    bwd_i = tuple(Piece(work=dataclasses.replace(w, reduce=(), compute_s=split(w)[0]), count=c,
                         label=lbl.replace("bwd", "bwd-I")) for w, c, lbl, keep in bwd_items if keep and c)
-    bwd_w = tuple(Piece(work=Work(compute_s=w.weight_grad_s, reduce=w.reduce, gather_bytes=w.gather_bytes,
+    bwd_w = tuple(Piece(work=Work(compute_s=split(w)[1], reduce=w.reduce, gather_bytes=w.gather_bytes,
                                   reduce_bytes=w.reduce_bytes), count=c,
                         label=lbl.replace("bwd", "bwd-W"))
                   for w, c, lbl, keep in bwd_items if keep and c)
