@@ -130,12 +130,13 @@ def test_one_pass_follows_what_is_live_piece_by_piece():
     assert _one_pass_bytes(p, bigger) == 443
 
 
-def _stage_class(saved: int, boundary: int):  # noqa: ANN202
+def _stage_class(saved: int, boundary: int, weight_out: int = 0):  # noqa: ANN202
     from topomesh.sim.price import PricedClass, Work
     from topomesh.trace.result import StateBytes
 
     empty = Work()
-    return PricedClass(fwd_pre=empty, fwd_block=Work(saved_bytes=saved), fwd_post=empty, bwd_post=empty,
+    return PricedClass(fwd_pre=empty, fwd_block=Work(saved_bytes=saved, weight_output_bytes=weight_out),
+                       fwd_post=empty, bwd_post=empty,
                        bwd_block=empty, bwd_pre=empty, opt_block=empty, opt_first=empty, opt_last=empty,
                        block_state=StateBytes(), first_state=StateBytes(), last_state=StateBytes(),
                        boundary_bytes=boundary)
@@ -175,14 +176,39 @@ def test_pipeline_stages_keep_a_receive_buffer_per_micro_batch(schedule, pp, int
 
 def test_a_zero_bubble_micro_batch_keeps_its_activations_until_its_weight_gradients():
     """``stage_backward_input`` runs autograd with ``retain_graph``: the saved tensors stay until
-    the W. Hand order F0 I0 F1 W0 I1 W1 on one stage saving 100 a micro-batch: 100, 100, 200,
-    100, 100, 0 — peak 200 with both in flight (freeing at I would say 100)."""
+    the W, and with them the gradient at each node leading to a weight (its matmuls' outputs,
+    30 here). Hand order F0 I0 F1 W0 I1 W1 on one stage saving 100 a micro-batch: 100, 130,
+    230, 100, 130, 0 — peak 230 with both in flight (freeing at I would say 100)."""
     from topomesh.sim.schedules import Action, Kind, in_flight
     from topomesh.sim.simulate import _memory, _stage_plan
 
-    p = _stage_class(100, 0)
+    p = _stage_class(100, 0, weight_out=30)
     order = [Action(0, Kind.F, 0), Action(0, Kind.I, 0), Action(0, Kind.F, 1), Action(0, Kind.W, 0),
              Action(0, Kind.I, 1), Action(0, Kind.W, 1)]
     got = _memory(p, [_stage_plan(p, 0, 1, 1, pipelined=True)], [1], order, 0, [0])
-    assert (got.activations_bytes, got.in_flight) == (200, 2)
+    assert (got.activations_bytes, got.in_flight) == (230, 2)
+    one_f_one_b = [Action(0, Kind.F, 0), Action(0, Kind.B, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 1)]
+    assert _memory(p, [_stage_plan(p, 0, 1, 1, pipelined=True)], [1], one_f_one_b, 0, [0]).activations_bytes == 100
     assert in_flight(order) == 2
+
+
+def test_a_piece_counts_its_forward_matmuls_outputs_as_what_a_zero_bubble_i_keeps():
+    """Two forward ``mm`` of (4, 8) float32 outputs (128 B each), a forward ``add`` and a backward
+    ``mm``: 256 B — the gradients ``stage_backward_input`` stores at the nodes leading to weights."""
+    from topomesh.cost.cluster import load_cluster
+    from topomesh.sim.price import Pricer
+    from topomesh.trace.graph import OpRecord, Phase, TensorMeta
+    from topomesh.trace.result import Part, Segment
+
+    a = TensorMeta(shape=(4, 8), dtype="float32", stride=(8, 1))
+
+    def op(name, phase):  # noqa: ANN001, ANN202
+        return OpRecord(op=name, inputs=(a, a), outputs=(a,), flops=512, phase=phase)
+
+    mm = op("aten.mm.default", Phase.FORWARD)
+    fwd = Segment(part=Part.BLOCK, phase=Phase.FORWARD, layer=0,
+                  events=(mm, op("aten.add.Tensor", Phase.FORWARD), mm))  # one record object twice
+    bwd = Segment(part=Part.BLOCK, phase=Phase.BACKWARD, layer=0, events=(op("aten.mm.default", Phase.BACKWARD),))
+    pricer = Pricer(load_cluster("dgx-h100", gpus=1), lambda name: None, {})
+    assert pricer.digest([fwd]).weight_output_bytes == 2 * 4 * 8 * 4
+    assert pricer.digest([bwd]).weight_output_bytes == 0

@@ -32,6 +32,7 @@ collective can run at once. A block is priced once and repeated by the engine.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -96,6 +97,11 @@ class Work:
     reduce_bytes: int = 0
     """Input buffers of the piece's gradient reductions over data-parallel axes (FSDP2's
     reduce-scatter input: the unsharded gradients in the reduce dtype), bytes."""
+    weight_output_bytes: int = 0
+    """Forward only: the outputs of the piece's matmuls, per micro-batch — in the built-in
+    models each multiplies by a weight (attention runs fused) — whose gradients a zero-bubble
+    schedule's I keeps for its W (``stage_backward_input`` stores the gradient at each node
+    that leads to a weight)."""
 
     @property
     def empty(self) -> bool:
@@ -261,7 +267,7 @@ class Pricer:
         by how they run (the same on every placement, so :func:`price_trace` keeps it per trace)."""
         drop = Counter(exclude or ())
         compute = weight = 0.0
-        flops = saved = peak = gathered = reduced = made = measured = roofline = 0
+        flops = saved = peak = gathered = reduced = made = measured = roofline = weight_out = 0
         blocking: list[CollectiveRecord] = []
         gather: list[CollectiveRecord] = []
         reduce: list[CollectiveRecord] = []
@@ -270,6 +276,7 @@ class Pricer:
         gaps: list[float] = []  # shared: the compute before each blocking collective, in order
         since = 0.0
         seen: dict[int, tuple[float, bool, bool] | None] = {}  # per record object: traces repeat them
+        made_by: dict[int, int] = {}  # per forward record object: its matmul output bytes (0: no matmul)
         for seg in segments:
             saved += seg.saved_bytes
             peak = max(peak, seg.peak_output_bytes)
@@ -280,6 +287,12 @@ class Pricer:
                     continue
                 if isinstance(e, OpRecord):
                     key = id(e)
+                    if e.phase is Phase.FORWARD:
+                        out = made_by.get(key)
+                        if out is None:
+                            out = made_by[key] = (sum(math.prod(t.shape) * itemsize(t.dtype) for t in e.outputs)
+                                                  if op_class(e.op) is OpClass.MATMUL else 0)
+                        weight_out += out
                     if key in seen:
                         hit = seen[key]
                     else:
@@ -324,6 +337,7 @@ class Pricer:
         return Digest(compute_s=compute, blocking=tuple(blocking), blocking_gaps=tuple(gaps), gather=tuple(gather),
                       reduce=tuple(reduce),
                       flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
+                      weight_output_bytes=weight_out,
                       gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline)
 
     def _host_s(self, e: CollectiveRecord) -> float:
@@ -342,7 +356,8 @@ class Pricer:
         return Work(compute_s=d.compute_s, blocking=tuple(self.comm(e, g) for e, g in zip(d.blocking, gaps, strict=True)),
                     gather=tuple(self.comm(e) for e in d.gather), reduce=tuple(self.comm(e) for e in d.reduce),
                     flops=d.flops, weight_grad_s=d.weight_grad_s, saved_bytes=d.saved_bytes,
-                    peak_output_bytes=d.peak_output_bytes, gather_bytes=d.gather_bytes, reduce_bytes=d.reduce_bytes)
+                    peak_output_bytes=d.peak_output_bytes, gather_bytes=d.gather_bytes, reduce_bytes=d.reduce_bytes,
+                    weight_output_bytes=d.weight_output_bytes)
 
 
 class SymbolicPricer(Pricer):
@@ -388,6 +403,8 @@ class Digest:
     blocking_gaps: tuple[float, ...] = ()
     """Where collectives run on the compute cores: the seconds of compute before each of
     ``blocking`` (:func:`_wrapped_gaps`); empty otherwise."""
+    weight_output_bytes: int = 0
+    """:attr:`Work.weight_output_bytes`."""
 
 
 def _wrapped_gaps(gaps: list[float], tail: float, prefetched: int) -> list[float]:
@@ -428,7 +445,8 @@ def _per_block(work: Work, n: int) -> Work:
     return Work(compute_s=work.compute_s / n, blocking=each(work.blocking), gather=each(work.gather),
                 reduce=each(work.reduce), flops=work.flops // n, weight_grad_s=work.weight_grad_s / n,
                 saved_bytes=work.saved_bytes // n, peak_output_bytes=work.peak_output_bytes,
-                gather_bytes=work.gather_bytes // n, reduce_bytes=work.reduce_bytes // n)
+                gather_bytes=work.gather_bytes // n, reduce_bytes=work.reduce_bytes // n,
+                weight_output_bytes=work.weight_output_bytes // n)
 
 
 def collective_axes(trace: Trace) -> tuple[str, ...]:

@@ -503,6 +503,7 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     last = len(layers) - 1
     state = StateBytes()
     saved: dict[int, int] = {}
+    held: dict[int, int] = {}  # per stage: the gradients a zero-bubble I keeps for its W
     gathered = peak_out = accumulated = 0
     for s in mine:
         state = state + p.block_state * layers[s]
@@ -512,6 +513,8 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             state = state + p.last_state
         saved[s] = (p.fwd_block.saved_bytes * layers[s] + (p.fwd_pre.saved_bytes if s == 0 else 0)
                     + (p.fwd_post.saved_bytes if s == last else 0))
+        held[s] = (p.fwd_block.weight_output_bytes * layers[s] + (p.fwd_pre.weight_output_bytes if s == 0 else 0)
+                   + (p.fwd_post.weight_output_bytes if s == last else 0))
         works = [pc.work for pc in (*plans[s].forward, *plans[s].backward)]
         if plans[s].forward_later is not None:  # a pipeline stage keeps all its gathered parameters
             gathered += _stage_bytes(p, plans[s].forward, s, last, "gather_bytes", p.fwd_pre, p.fwd_post)
@@ -533,9 +536,13 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             live[(a.stage, a.mb)] = saved.get(a.stage, 0)
             act_peak = max(act_peak, total)
             most = max(most, len(live))
-        elif a.kind is Kind.B or a.kind is Kind.W:
+        elif a.kind is Kind.I:
             # a zero-bubble I keeps the graph (``stage_backward_input``: retain_graph) and so its
-            # saved tensors; the W after it frees them
+            # saved tensors, and the gradient at every node leading to a weight; its W frees all
+            total += held.get(a.stage, 0)
+            live[(a.stage, a.mb)] = live.get((a.stage, a.mb), 0) + held.get(a.stage, 0)
+            act_peak = max(act_peak, total)
+        elif a.kind is Kind.B or a.kind is Kind.W:
             total -= live.pop((a.stage, a.mb), 0)
     transient = gathered + peak_out
     # PipelineStage's receive buffers, one per micro-batch and stage boundary it receives over
