@@ -83,6 +83,21 @@ def _layouts(texts: list[str]) -> list[tuple[str, object]]:
     return out
 
 
+def _oversubscribed(layouts: list[tuple[str, object]], threads: int, cpus: int) -> list[str]:
+    """The layouts whose ranks run more torch threads than this host has CPUs, where each has
+    more than one: their ops then take turns on the cores, which an op table timed with
+    ``threads`` threads on free cores does not describe (measured here, 2 CPUs, ``--threads 2``:
+    ``dp_shard=2`` predicted 42 % over its run; one thread a rank on ``N`` ranks is what the
+    calibration's compute stretch measures).
+
+    >>> from topomesh.layout.dims import Layout
+    >>> lays = [(t, Layout.from_degrees(d)) for t, d in (("dp_shard=1", {"dp_shard": 1}), ("tp=2", {"tp": 2}))]
+    >>> _oversubscribed(lays, 2, 2), _oversubscribed(lays, 1, 2), _oversubscribed(lays, 2, 4)
+    (['tp=2'], [], [])
+    """
+    return [text for text, lay in layouts if threads > 1 and lay.world_size * threads > cpus]
+
+
 def _global_batch(args: argparse.Namespace, layouts: list[tuple[str, object]]) -> int:
     """The same global batch for every layout (so their step times compare): ``--global-batch``,
     else 2 × micro-batch × the least common multiple of the data-parallel degrees."""
@@ -142,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
                         schedule=Schedule(args.schedule), interleave=args.interleave,
                         mixed_precision=args.mixed_precision)
     err = Console(stderr=True)
+    over = [] if gpu else _oversubscribed(layouts, args.threads, len(allowed_cpus()))
+    if over:
+        print(f"topomesh: {', '.join(over)}: {args.threads} threads a rank exceed this host's "
+              f"{len(allowed_cpus())} CPUs; the op table times ops on free cores, so these predictions "
+              "run high (one thread a rank is what validate is calibrated for)", file=sys.stderr)
     cache = TraceCache(default_directory())
     worlds = sorted({lay.world_size for _, lay in layouts})
     cluster_name = preset_for_device(current_device_spec(args.device)) if gpu else LOCAL
