@@ -331,26 +331,19 @@ def measure_split_shares(*, hidden: int = 256, seq_len: int = 256, repeats: int 
         stage_backward(y, grad, [x])
         block.zero_grad(set_to_none=True)
 
-    split: dict[str, list[float]] = {"f": [], "i": [], "w": []}
-
-    def halves() -> None:
-        c0 = time.thread_time()
+    i_times: list[float] = []
+    w_times: list[float] = []
+    for _ in range(repeats + 1):  # the first round warms autograd's caches
         x, y = forward()
-        c1 = time.thread_time()
+        c0 = time.thread_time()
         _, groups = stage_backward_input([y], [grad], [x], iter(params))
-        c2 = time.thread_time()
+        c1 = time.thread_time()
         stage_backward_weight(iter(params), groups)
-        c3 = time.thread_time()
+        w_times.append(time.thread_time() - c1)
+        i_times.append(c1 - c0)
         block.zero_grad(set_to_none=True)
-        for key, dt in zip("fiw", (c1 - c0, c2 - c1, c3 - c2), strict=True):
-            split[key].append(dt)
-
-    fwd_s = _median_thread_s(lambda: forward(), repeats=repeats)
-    b_s = max(_median_thread_s(full, repeats=repeats) - fwd_s, 1e-9)
-    for _ in range(repeats + 1):
-        halves()
-    i_s, w_s = (statistics.median(split[k][1:]) for k in "iw")
-    return i_s / b_s, w_s / b_s
+    b_s = max(_median_thread_s(full, repeats=repeats) - _median_thread_s(forward, repeats=repeats), 1e-9)
+    return statistics.median(i_times[1:]) / b_s, statistics.median(w_times[1:]) / b_s
 
 
 def split_shares(*, directory: Path | None = None, refresh: bool = False) -> tuple[float, float]:

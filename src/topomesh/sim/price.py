@@ -503,9 +503,10 @@ def dtensor_dispatch(cluster: Cluster, layout: Iterable[tuple[str, int]]) -> dic
     for phase in phases:
         for part in Part:
             s = cluster.dtensor_dispatch_s
-            if phase is not Phase.OPTIMIZER:
+            if phase is not Phase.OPTIMIZER and cluster.fb_host_s is not None:
+                s = cluster.fb_host_s
+            elif phase is not Phase.OPTIMIZER:
                 s = (cluster.dtensor_block_dispatch_s if part is Part.BLOCK else cluster.dtensor_rest_dispatch_s) or s
-                s = s if cluster.fb_host_s is None else cluster.fb_host_s
             if s:
                 out[(phase, part)] = s * cluster.compute_share
     return out

@@ -312,9 +312,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
             torch.manual_seed(0)
             with device:  # parameters and buffers made where they train
                 if pp > 1:
-                    interleave = training.interleave if training.schedule.multi_stage else 1
-                    n_stages = stage_count(training.schedule, pp, interleave)
-                    stages = rank_stages(training.schedule, pp, interleave, mesh.get_local_rank(Axis.PP.value))
+                    # single-stage and V schedules ignore --interleave, as the simulator does
+                    n_stages = stage_count(training.schedule, pp, training.interleave)
+                    stages = rank_stages(training.schedule, pp, training.interleave, mesh.get_local_rank(Axis.PP.value))
                     layers = split_layers(cfg.n_layers, n_stages)
                     modules: list[nn.Module] = [StageModel(cfg, layers[s], first=s == 0, last=s == n_stages - 1)
                                                 for s in stages]
