@@ -572,6 +572,32 @@ def test_on_a_gpu_one_rank_runs_there_priced_on_its_preset_without_sweeps(monkey
         cli.run(p.parse_args(["--device", "cuda", "--model", "tiny-llama"]))
 
 
+@pytest.mark.parametrize(("layouts", "extra", "message"), [
+    (["dp_shard=2", "tp=3"], [], r"--layouts tp=3: tp=3 does not divide the 8 attention heads and 4 kv heads of tiny-llama"),
+    (["ep=2"], [], r"--layouts ep=2: ep=2 needs a mixture-of-experts model; tiny-llama is dense"),
+    (["pp=4"], [], r"--layouts pp=4: 4 pipeline stages \(pp=4\) need at least as many layers; tiny-llama has 2"),
+    (["dp_shard=2"], ["--global-batch", "3"], r"--layouts dp_shard=2: global batch 3 does not divide into "
+                                               r"data-parallel degree 2 × micro-batch 1"),
+])
+def test_a_layout_the_model_cannot_take_is_refused_before_any_sweep(monkeypatch, layouts, extra, message):
+    # a pp=8 of a 4-layer model swept 8 processes for 71 s before the simulator said no
+    from topomesh.cli import validate as cli
+    from topomesh.sim import simulate
+    from topomesh.validate import run as vrun
+
+    def refuse(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("nothing is calibrated, traced or run for a layout the model cannot take")
+
+    for name in ("pooled_collectives", "ensure_collectives", "in_step_tables", "ensure_ops", "measure"):
+        monkeypatch.setattr(vrun, name, refuse)
+    monkeypatch.setattr(simulate, "Simulator", refuse)
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = ["--model", "tiny-llama", *extra, *(x for text in layouts for x in ("--layouts", text))]
+    with pytest.raises(LayoutError, match=message):
+        cli.run(p.parse_args(args))
+
+
 def test_the_wait_for_a_core_is_schedstat_s_second_field(tmp_path):
     from topomesh.validate.worker import core_wait_ns
 

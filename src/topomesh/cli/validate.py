@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from topomesh.validate.run import DEFAULT_LAYOUTS
 
     add_model_arguments(p)
-    add_training_arguments(p)
+    add_training_arguments(p, global_batch_default="2 × micro-batch × the least common multiple of the layouts' "
+                                                   "data-parallel degrees, the same for every layout")
     p.add_argument("--layouts", action="append", default=None, metavar="AXIS=N,...",
                    help=f"a layout to run (repeatable; its world is the product of the degrees); "
                         f"default: {' | '.join(DEFAULT_LAYOUTS)}")
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from topomesh.sim.inputs import load_model
     from topomesh.sim.price import grad_add_records, with_fb_host
     from topomesh.sim.schedules import Schedule
-    from topomesh.sim.simulate import Simulator, Training
+    from topomesh.sim.simulate import Simulator, Training, check_model_layout, micro_batches
     from topomesh.topology.discover import allowed_cpus
     from topomesh.trace.cache import TraceCache, default_directory
     from topomesh.trace.graph import OpRecord
@@ -156,6 +157,12 @@ def run(args: argparse.Namespace) -> int:
                         dtype=args.dtype, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                         schedule=Schedule(args.schedule), interleave=args.interleave,
                         mixed_precision=args.mixed_precision)
+    for text, lay in layouts:  # before any sweep or run: a layout this model cannot take fails in seconds
+        try:
+            check_model_layout(model.config, lay, training)
+            micro_batches(lay, training)
+        except LayoutError as e:
+            raise LayoutError(f"--layouts {text}: {e}") from None
     err = Console(stderr=True)
     over = [] if gpu else _oversubscribed(layouts, args.threads, len(allowed_cpus()))
     if over:

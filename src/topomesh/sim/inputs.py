@@ -62,9 +62,11 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
                    help="axis order, fastest first (default tp-cp-ep-dp_shard-dp_replicate-pp)")
 
 
-def add_training_arguments(p: argparse.ArgumentParser) -> None:
+def add_training_arguments(p: argparse.ArgumentParser, *,
+                           global_batch_default: str = "data-parallel degree × micro-batch, × 4·pp with a pipeline"
+                           ) -> None:
     p.add_argument("--global-batch", type=bounded_int(1, MAX_BATCH), default=None, metavar="N",
-                   help="samples per step (default: data-parallel degree × micro-batch, × 4·pp with a pipeline)")
+                   help=f"samples per step (default: {global_batch_default})")
     p.add_argument("--micro-batch", type=bounded_int(1, MAX_BATCH), default=1, metavar="N", help="samples per micro-batch (default 1)")
     p.add_argument("--seq-len", type=bounded_int(1, MAX_SEQ_LEN), default=None, metavar="N", help="tokens per sample (default: the model's)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="training dtype (default bf16)")

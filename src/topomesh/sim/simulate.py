@@ -138,6 +138,26 @@ def check_model_layout(cfg: object, layout: Layout, training: Training) -> None:
         raise LayoutError(f"{stages} pipeline stages (pp={pp}) need at least as many layers; {cfg.name} has {cfg.n_layers}.")
 
 
+def micro_batches(layout: Layout, training: Training) -> int:
+    """Micro-batches each data-parallel replica runs a step; a :class:`LayoutError` where the
+    global batch does not divide into them.
+
+    >>> t = Training(global_batch=8, micro_batch=2, seq_len=16)
+    >>> micro_batches(Layout.from_degrees({"dp_shard": 2}), t)
+    2
+    >>> micro_batches(Layout.from_degrees({"dp_shard": 3}), t)
+    Traceback (most recent call last):
+    ...
+    topomesh.errors.LayoutError: global batch 8 does not divide into data-parallel degree 3 × micro-batch 2.
+    """
+    dp = layout.degree(Axis.DP_REPLICATE) * layout.degree(Axis.DP_SHARD)
+    if training.global_batch % (dp * training.micro_batch):
+        raise LayoutError(
+            f"global batch {training.global_batch} does not divide into data-parallel degree {dp} × "
+            f"micro-batch {training.micro_batch}.")
+    return training.global_batch // (dp * training.micro_batch)
+
+
 def split_layers(n_layers: int, stages: int) -> list[int]:
     """Blocks per global stage: equal shares, the first ``n_layers % stages`` one more.
 
@@ -312,12 +332,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             f"{cluster.world_size}; the degrees must multiply to the world size.")
     if model.config is not None:
         check_model_layout(model.config, layout, training)
-    dp = layout.degree(Axis.DP_REPLICATE) * layout.degree(Axis.DP_SHARD)
-    if training.global_batch % (dp * training.micro_batch):
-        raise LayoutError(
-            f"global batch {training.global_batch} does not divide into data-parallel degree {dp} × "
-            f"micro-batch {training.micro_batch}.")
-    micro = training.global_batch // (dp * training.micro_batch)
+    micro = micro_batches(layout, training)
     pp = layout.degree(Axis.PP)
     memo = memo or SimMemo()
     if digest is None:
