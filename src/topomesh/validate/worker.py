@@ -323,9 +323,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         finally:
             torch.set_default_dtype(previous)
         sub = [a.value for a in layout.mesh_axes if a is not Axis.PP]
-        inner = mesh[tuple(sub)] if sub and pp > 1 else (mesh if sub else None)
+        # a stage's own axes; with none (one process, or a pipeline alone) the whole mesh, whose
+        # axes are then 1 or pp: parallelize still applies what the knobs ask (recomputation), as
+        # the tracer's parallelize did for the prediction
+        inner = mesh[tuple(sub)] if sub and pp > 1 else mesh
         parallelize = model_def.parallelize(training, mixed)
-        if inner is not None and parallelize is not None:
+        if parallelize is not None:
             modules = [parallelize(m, inner) or m for m in modules]
         optimizer = default_optimizer([p for m in modules for p in m.parameters() if p.requires_grad])
         tp = layout.degree(Axis.TP)
