@@ -199,6 +199,33 @@ def test_host_work_is_the_eager_forward_backward_less_the_replayed_forward_backw
     assert got.host_fb_s == pytest.approx(10.0 - 1e-3 * counted["fb"])
 
 
+@pytest.mark.parametrize(("degrees", "recompute", "measured"), [
+    ({"dp_shard": 2}, "none", False), ({"pp": 2}, "none", False), ({"tp": 2}, "none", True),
+    ({"ep": 2}, "none", True), ({"pp": 2}, "full", True), ({"dp_shard": 1}, "selective", True),
+])
+def test_host_work_is_measured_under_tp_or_ep_or_with_recomputation(degrees, recompute, measured):
+    # a one-process step of benchmarks/validate_llama.json with selective recomputation ran
+    # 17 ms a micro-batch beyond its replayed ops (the caching dispatch mode around every op),
+    # 26 % of its step, and nothing priced it
+    from topomesh.layout.dims import Layout
+    from topomesh.sim.simulate import Training
+
+    assert instep.host_work(Layout.from_degrees(degrees), Training(global_batch=4, recompute=recompute)) is measured
+
+
+def test_selective_recomputation_runs_more_than_its_ops(tiny):
+    from topomesh.models.parallelize import Checkpointing, ParallelOptions
+
+    def host(mode):  # noqa: ANN001, ANN202
+        par = make_parallelize(ParallelOptions(checkpointing=Checkpointing(mode)))
+        return instep.in_step_times(tiny, par, {"dp_shard": 1}, batch_size=1, dtype=torch.float32, repeats=3,
+                                    host=True).host_fb_s
+
+    # its caching dispatch mode takes Python around every op of the forward and of its rerun:
+    # 17 ms a micro-batch on the validate model, several times what the plain step runs beyond its ops
+    assert host("selective") > host("none") + 1e-4
+
+
 def test_eager_forward_backward_is_timed_on_a_fake_group_and_leaves_none_behind(tiny):
     got = instep.eager_fb_s(tiny, make_parallelize(), {"tp": 2}, batch_size=1, dtype=torch.float32, repeats=1,
                             warmup=1)

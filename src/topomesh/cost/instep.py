@@ -178,6 +178,18 @@ micro-batch, fake group, 2-vCPU Xeon): eager 16.3 and 17.3 ms against 13.5 and 1
 replayed forward and backward ops; one process without a parallel axis: within 1 ms either
 way. FSDP2's host work is priced per collective instead (:attr:`~topomesh.cost.cluster.Cluster.fsdp_gather_s`)."""
 
+HOOKED_RECOMPUTE = ("selective", "full")
+"""Recomputation modes whose forward and backward run more than their graph's ops: activation
+checkpointing's saved-tensor hooks and, for ``selective``, its caching dispatch mode around every
+op of a block's forward and of its recomputation."""
+
+
+def host_work(layout: Any, training: Any) -> bool:
+    """Whether a layout's forward and backward run work outside its graph's ops that the
+    replay misses, so the eager step is measured too: under :data:`HOOKED_AXES`, or with
+    recomputation (:data:`HOOKED_RECOMPUTE`)."""
+    return any(layout.degree(a) > 1 for a in HOOKED_AXES) or training.recompute in HOOKED_RECOMPUTE
+
 
 @dataclass(frozen=True, slots=True)
 class InStep:
@@ -192,10 +204,11 @@ class InStep:
 
 
 def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch_size: int,
-                  dtype: torch.dtype, repeats: int = REPEATS, warmup: int = WARMUP) -> InStep:
+                  dtype: torch.dtype, repeats: int = REPEATS, warmup: int = WARMUP,
+                  host: bool | None = None) -> InStep:
     """In-step seconds per op-table key for one rank of ``degrees`` (see the module docstring);
-    under tensor or expert parallel (:data:`HOOKED_AXES`) also the host work of its forward and
-    backward beyond its ops."""
+    where ``host`` (default: under tensor or expert parallel, :data:`HOOKED_AXES`) also the
+    host work of its forward and backward beyond its ops."""
     from topomesh.trace.graph import Phase
     from topomesh.trace.tracer import PHASE_META, with_step_graph
 
@@ -212,7 +225,9 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
                             if node.meta.get(PHASE_META) in (Phase.FORWARD, Phase.BACKWARD)))
 
     with_step_graph(spec, parallelize, degrees, use, batch_size=batch_size, dtype=dtype)
-    if all(dict(degrees).get(a.value, 1) <= 1 for a in HOOKED_AXES):
+    if host is None:
+        host = any(dict(degrees).get(a.value, 1) > 1 for a in HOOKED_AXES)
+    if not host:
         return InStep(out)
     try:
         eager = eager_fb_s(spec, parallelize, degrees, batch_size=batch_size, dtype=dtype, repeats=repeats)
@@ -286,7 +301,7 @@ def run(spec: Mapping[str, Any]) -> dict[str, dict]:
         layout = resolve_layout(degrees, math.prod(degrees.values()), order=item.get("order"))
         (mspec, parallelize, traced), kw = trace_request(model, layout, training)
         got = in_step_times(mspec, parallelize, traced, batch_size=kw["batch_size"], dtype=kw["dtype"],
-                            repeats=int(spec.get("repeats", REPEATS)))
+                            repeats=int(spec.get("repeats", REPEATS)), host=host_work(layout, training))
         result[item["text"]] = {"ops": [[list(k), s] for k, s in got.table.items()], "host_fb_s": got.host_fb_s}
     return result
 
