@@ -130,7 +130,7 @@ def test_one_pass_follows_what_is_live_piece_by_piece():
     assert _one_pass_bytes(p, bigger) == 443
 
 
-def _stage_class(saved: int, boundary: int, weight_out: int = 0):  # noqa: ANN202
+def _stage_class(saved: int, boundary: int, weight_out: int = 0, grads: int = 0):  # noqa: ANN202
     from topomesh.sim.price import PricedClass, Work
     from topomesh.trace.result import StateBytes
 
@@ -138,8 +138,31 @@ def _stage_class(saved: int, boundary: int, weight_out: int = 0):  # noqa: ANN20
     return PricedClass(fwd_pre=empty, fwd_block=Work(saved_bytes=saved, weight_output_bytes=weight_out),
                        fwd_post=empty, bwd_post=empty,
                        bwd_block=empty, bwd_pre=empty, opt_block=empty, opt_first=empty, opt_last=empty,
-                       block_state=StateBytes(), first_state=StateBytes(), last_state=StateBytes(),
+                       block_state=StateBytes(grads=grads), first_state=StateBytes(), last_state=StateBytes(),
                        boundary_bytes=boundary)
+
+
+@pytest.mark.parametrize("schedule, rank, want", [
+    # GPipe, last stage: F0 F1 hold 200 before any gradient; B0 leaves 100 and the gradients (80)
+    ("gpipe", 1, 200),
+    # 1F1B, last stage: F0 B0 F1 B1 — never more than one micro-batch, gradients from B0 on
+    ("1f1b", 1, 180),
+    # 1F1B, first stage of two with 2 micro-batches: F0 F1 (200) B0 B1 — as GPipe there
+    ("1f1b", 0, 200),
+])
+def test_gradients_exist_from_a_ranks_first_backward(schedule, rank, want):
+    """The optimizer sets the gradients to None every step; a rank's first backward makes
+    them as it frees its activations. ``validate_llama.json``, ``pp=2,dp_replicate=2``, GPipe,
+    2 micro-batches: its last stage measured 53.4 MB, predicted 59.2 MB with both micro-batches'
+    activations and the gradients together; 1F1B measured 51.1 MB. Hand counts: 100 saved a
+    micro-batch, gradients 80, pp=2."""
+    from topomesh.sim.schedules import action_order
+    from topomesh.sim.simulate import _memory, _stage_plan
+
+    p = _stage_class(100, 0, grads=80)
+    plans = [_stage_plan(p, s, 2, 1, pipelined=True) for s in range(2)]
+    got = _memory(p, plans, [1, 1], action_order(schedule, pp=2, microbatches=2)[rank], rank, [0, 1])
+    assert got.grads_bytes == 80 and got.peak_bytes == want
 
 
 @pytest.mark.parametrize("schedule, pp, interleave, micro, want", [
@@ -178,7 +201,7 @@ def test_a_zero_bubble_micro_batch_keeps_its_activations_until_its_weight_gradie
     """``stage_backward_input`` runs autograd with ``retain_graph``: the saved tensors stay until
     the W, and with them the gradient at each node leading to a weight (its matmuls' outputs,
     30 here). Hand order F0 I0 F1 W0 I1 W1 on one stage saving 100 a micro-batch: 100, 130,
-    230, 100, 130, 0 — peak 230 with both in flight (freeing at I would say 100)."""
+    230 before the first W makes the gradients (freeing at I would say 100), then 100, 130, 0."""
     from topomesh.sim.schedules import Action, Kind, in_flight
     from topomesh.sim.simulate import _memory, _stage_plan
 
@@ -186,9 +209,10 @@ def test_a_zero_bubble_micro_batch_keeps_its_activations_until_its_weight_gradie
     order = [Action(0, Kind.F, 0), Action(0, Kind.I, 0), Action(0, Kind.F, 1), Action(0, Kind.W, 0),
              Action(0, Kind.I, 1), Action(0, Kind.W, 1)]
     got = _memory(p, [_stage_plan(p, 0, 1, 1, pipelined=True)], [1], order, 0, [0])
-    assert (got.activations_bytes, got.in_flight) == (230, 2)
+    assert (got.cold_activations_bytes, got.activations_bytes, got.in_flight) == (230, 130, 2)
     one_f_one_b = [Action(0, Kind.F, 0), Action(0, Kind.B, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 1)]
-    assert _memory(p, [_stage_plan(p, 0, 1, 1, pipelined=True)], [1], one_f_one_b, 0, [0]).activations_bytes == 100
+    got = _memory(p, [_stage_plan(p, 0, 1, 1, pipelined=True)], [1], one_f_one_b, 0, [0])
+    assert (got.cold_activations_bytes, got.activations_bytes) == (100, 100)
     assert in_flight(order) == 2
 
 

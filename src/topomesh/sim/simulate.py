@@ -543,22 +543,26 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             gathered = max([gathered, *(2 * w.gather_bytes + 2 * w.reduce_bytes for w in works)])
         peak_out = max([peak_out, *(w.peak_output_bytes for w in works)])
     live: dict[tuple[int, int], int] = {}
-    act_peak = most = total = 0
+    act_peak = cold = most = total = 0
     one_stage = len(layers) == 1 and plans[0].forward_later is None
+    graded = one_stage  # whether the rank's gradients exist yet (not before its first B or W)
     for a in actions:
         if a.kind is Kind.F:
             total += saved.get(a.stage, 0) - live.get((a.stage, a.mb), 0)
             live[(a.stage, a.mb)] = saved.get(a.stage, 0)
-            act_peak = max(act_peak, total)
             most = max(most, len(live))
         elif a.kind is Kind.I:
             # a zero-bubble I keeps the graph (``stage_backward_input``: retain_graph) and so its
             # saved tensors, and the gradient at every node leading to a weight; its W frees all
             total += held.get(a.stage, 0)
             live[(a.stage, a.mb)] = live.get((a.stage, a.mb), 0) + held.get(a.stage, 0)
-            act_peak = max(act_peak, total)
         elif a.kind is Kind.B or a.kind is Kind.W:
             total -= live.pop((a.stage, a.mb), 0)
+            graded = True
+        if graded:
+            act_peak = max(act_peak, total)
+        else:
+            cold = max(cold, total)
     transient = gathered + peak_out
     # PipelineStage's receive buffers, one per micro-batch and stage boundary it receives over
     micro = 1 + max((a.mb for a in actions), default=-1)
@@ -569,7 +573,7 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=max(state.grads, accumulated),
                        optimizer_bytes=state.optimizer,
                        activations_bytes=act_peak, in_flight=most, transient_bytes=transient,
-                       receive_bytes=receive)
+                       receive_bytes=receive, cold_activations_bytes=cold)
 
 
 def _one_pass_bytes(p: PricedClass, plan: StagePlan) -> int:
