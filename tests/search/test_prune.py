@@ -129,10 +129,15 @@ def test_memory_bound_by_hand_dense_llama():
     block = (64 * 64 * 2 + 2 * 64 * 32) + 3 * 64 * 160 + 2 * 64  # attn + SwiGLU + 2 RMSNorms
     assert block == 43_136
     assert stage0_params(cfg, 1) == 256 * 64 + block == 59_520
-    # tp=2, pp=2, dp_shard=2, micro-batch 4, sequence parallel: 59,520 / 2 / 2 * 16 B = 238,080;
-    # one block input: 2 B * 4 * 32 * 64 / 2 = 8,192.
+    # tp=2, pp=2, dp_shard=2, micro-batch 4, sequence parallel: 59,520 / 2 / 2 = 14,880 parameters,
+    # 14 B of weights and optimizer state each = 208,320; gradients 2 B each = 29,760; one block
+    # input 2 B * 4 * 32 * 64 / 2 = 8,192 — under a pipeline the larger of those two, not both
     got = memory_lower_bound_bytes(cfg, tp=2, pp=2, dp_shard=2, micro_batch=4)
-    assert float(got) == 238_080 + 8_192
+    assert float(got) == 208_320 + 29_760
+    # without a pipeline both (the gradients exist all along): pp=1 holds both blocks and the head
+    got = memory_lower_bound_bytes(cfg, tp=2, dp_shard=2, micro_batch=4)
+    head = 256 * 64 + 64
+    assert float(got) == (59_520 + block + head) / 4 * 16 + 2 * 8_192
 
 
 def test_memory_bound_by_hand_moe_without_sequence_parallel():
@@ -141,9 +146,10 @@ def test_memory_bound_by_hand_moe_without_sequence_parallel():
     dense_block = (64 * 64 * 2 + 2 * 64 * 32) + 64 * 4 + 2 * 64
     assert stage0_params(cfg, 1) == 256 * 64 + dense_block + experts
     # tp=2, pp=2, ep=4: dense (16384 + 12672) / 2 = 14,528, experts 73,728 / 4 = 18,432;
-    # (14,528 + 18,432) * 16 B = 527,360. Block input not split by tp: 2 * 1 * 32 * 64 = 4,096.
+    # (14,528 + 18,432) * 16 B = 527,360 with the gradients (65,920), which under a pipeline
+    # count instead of the block input (not split by tp: 2 * 1 * 32 * 64 = 4,096), the smaller.
     got = memory_lower_bound_bytes(cfg, tp=2, pp=2, ep=4, sequence_parallel=False)
-    assert float(got) == 527_360 + 4_096
+    assert float(got) == 527_360
 
 
 def test_memory_bound_by_hand_gpt_single_stage_with_cp():

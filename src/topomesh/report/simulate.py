@@ -51,13 +51,14 @@ def print_result(r: StepResult, *, model: str, cluster: str) -> None:
     t.add_row("[bold]total[/]", f"[bold]{_ms(b.total_s)}[/]", "100.0%")
     out.print(t)
     t = Table(title="Memory per pipeline rank (GB)")
-    for c in ("rank", "params", "grads", "optimizer", "activations", "before grads", "in flight", "transient",
+    for c in ("rank", "params", "grads", "at peak", "optimizer", "activations", "in flight", "transient",
               "receive", "peak"):
         t.add_column(c, justify="right")
     for m in r.memory:
-        t.add_row(str(m.rank), _gb(m.params_bytes), _gb(m.grads_bytes), _gb(m.optimizer_bytes),
-                  _gb(m.activations_bytes), _gb(m.cold_activations_bytes), str(m.in_flight),
-                  _gb(m.transient_bytes), _gb(m.receive_bytes), _gb(m.peak_bytes))
+        at_peak = m.grads_bytes if m.grads_at_peak_bytes is None else m.grads_at_peak_bytes
+        t.add_row(str(m.rank), _gb(m.params_bytes), _gb(m.grads_bytes), _gb(at_peak), _gb(m.optimizer_bytes),
+                  _gb(m.activations_bytes), str(m.in_flight), _gb(m.transient_bytes), _gb(m.receive_bytes),
+                  _gb(m.peak_bytes))
     out.print(t)
     if r.links:
         t = Table(title="Links each axis crosses")

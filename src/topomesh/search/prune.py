@@ -143,12 +143,16 @@ def memory_lower_bound_bytes(
     micro-batch of block inputs, ``activation_bytes × micro_batch × (seq/cp) × hidden`` per
     block (``/ tp`` with sequence parallel) — what full recomputation keeps (Korthikanti et
     al., arXiv:2205.05198: ``2·s·b·h`` per layer), so a lower bound for every recompute mode.
-    Not counted: gathered FSDP blocks, recomputed activations, logits, buffers, fragmentation.
-    It is a lower bound of the peak over stages, never an estimate of it.
+    Under a pipeline the gradients and the block inputs count as the larger of the two, not
+    their sum: a rank's gradients appear at its first backward as it frees that micro-batch's
+    activations, so with one micro-batch in flight they need not be live together
+    (:func:`topomesh.sim.simulate._memory`). Not counted: gathered FSDP blocks, recomputed
+    activations, logits, buffers, fragmentation. It is a lower bound of the peak over stages,
+    never an estimate of it.
 
     >>> from topomesh.models.presets import get_preset
     >>> round(float(memory_lower_bound_bytes(get_preset("llama3-70b"), tp=8, pp=8, dp_shard=32)) / 2**30, 3)
-    0.715
+    0.646
     """
     state = state or StateBytes()
     h = cfg.hidden
@@ -164,7 +168,8 @@ def memory_lower_bound_bytes(
     params = (dense + layers * expert / ep) / (dp_shard * cp)
     tokens = (seq_len or cfg.seq_len) / cp
     block_input = activation_bytes * micro_batch * tokens * h / (tp if sequence_parallel else 1)
-    return state.per_param * params + layers * block_input
+    grads, inputs = state.grad * params, layers * block_input
+    return (state.weight + state.optimizer) * params + np.where(pp > 1, np.maximum(grads, inputs), grads + inputs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)  # arrays: compared by identity

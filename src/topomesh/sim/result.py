@@ -42,9 +42,8 @@ class StageMemory:
     grads_bytes: int
     optimizer_bytes: int
     activations_bytes: int
-    """Kept for backward: per micro-batch bytes × micro-batches in flight at the peak, once the
-    rank's gradients exist (from its first backward, or its first W under a zero-bubble
-    schedule; without a pipeline, all along)."""
+    """Kept for backward: per micro-batch bytes × micro-batches in flight at the peak (the
+    moment the activations and the gradients that exist by then are most together)."""
     in_flight: int
     transient_bytes: int
     """Gathered parameters (FSDP, the current and the prefetched piece), in backward the
@@ -54,31 +53,33 @@ class StageMemory:
     """A pipeline's receive buffers: PyTorch's ``PipelineStage`` makes one per micro-batch for
     each stage's input (all but the first stage) and for its output's gradient (all but the
     last) before the first step, and keeps them."""
-    cold_activations_bytes: int = 0
-    """A pipeline rank's most activations before its first backward (or W), while its
-    gradients do not exist yet: the optimizer sets them to None every step, and the first
-    backward makes them as it frees the activations. GPipe's last stage of ``pp=2`` with 2
-    micro-batches: both micro-batches' activations there, then one and the gradients."""
+    grads_at_peak_bytes: int | None = None
+    """Under a pipeline, the gradients that exist at the peak: a stage's appear at its first
+    backward (or W), as it frees that micro-batch's activations, since the optimizer sets them
+    to None every step. GPipe's last stage of ``pp=2`` with 2 micro-batches peaks with both
+    micro-batches' activations and no gradients. None: all of :attr:`grads_bytes` (no pipeline)."""
 
     @property
     def peak_bytes(self) -> int:
-        """Parameters, optimizer state, receive buffers and transient, with the larger of the
-        gradients and the activations kept once they exist, or the activations kept before.
+        """Parameters, the gradients at the peak, optimizer state, activations, transient and
+        receive buffers.
 
         >>> m = StageMemory(rank=0, params_bytes=10, grads_bytes=8, optimizer_bytes=20, activations_bytes=9,
-        ...                 in_flight=2, transient_bytes=5, receive_bytes=1, cold_activations_bytes=18)
-        >>> m.peak_bytes  # 10 + 20 + 5 + 1 + max(8 + 9, 18)
-        54
+        ...                 in_flight=2, transient_bytes=5, receive_bytes=1)
+        >>> import dataclasses
+        >>> m.peak_bytes, dataclasses.replace(m, grads_at_peak_bytes=0).peak_bytes
+        (53, 45)
         """
-        return (self.params_bytes + self.optimizer_bytes + self.transient_bytes + self.receive_bytes
-                + max(self.grads_bytes + self.activations_bytes, self.cold_activations_bytes))
+        grads = self.grads_bytes if self.grads_at_peak_bytes is None else self.grads_at_peak_bytes
+        return (self.params_bytes + grads + self.optimizer_bytes + self.activations_bytes
+                + self.transient_bytes + self.receive_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "peak_bytes": self.peak_bytes, "params_bytes": self.params_bytes,
                 "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
                 "activations_bytes": self.activations_bytes, "in_flight": self.in_flight,
                 "transient_bytes": self.transient_bytes, "receive_bytes": self.receive_bytes,
-                "cold_activations_bytes": self.cold_activations_bytes}
+                "grads_at_peak_bytes": self.grads_at_peak_bytes}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -519,13 +519,16 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     state = StateBytes()
     saved: dict[int, int] = {}
     held: dict[int, int] = {}  # per stage: the gradients a zero-bubble I keeps for its W
-    gathered = peak_out = accumulated = 0
+    grads: dict[int, int] = {}  # per stage: its gradients, once its first B or W has made them
+    gathered = peak_out = 0
     for s in mine:
-        state = state + p.block_state * layers[s]
+        own = p.block_state * layers[s]
         if s == 0:
-            state = state + p.first_state
+            own = own + p.first_state
         if s == last:
-            state = state + p.last_state
+            own = own + p.last_state
+        state = state + own
+        grads[s] = own.grads
         saved[s] = (p.fwd_block.saved_bytes * layers[s] + (p.fwd_pre.saved_bytes if s == 0 else 0)
                     + (p.fwd_post.saved_bytes if s == last else 0))
         held[s] = (p.fwd_block.weight_output_bytes * layers[s] + (p.fwd_pre.weight_output_bytes if s == 0 else 0)
@@ -536,16 +539,19 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             # and FSDP2 syncs gradients only in the stage's last backward: until then each unit
             # holds its unsharded gradients, accumulated in the reduce dtype
             # (FSDPParam.unsharded_accumulated_grad), the bytes its reduction then reads
-            accumulated += _stage_bytes(p, plans[s].backward, s, last, "reduce_bytes", p.bwd_pre, p.bwd_post)
+            grads[s] = max(grads[s], _stage_bytes(p, plans[s].backward, s, last, "reduce_bytes", p.bwd_pre, p.bwd_post))
         else:  # the gathered piece and the one prefetched; in backward also the piece's unsharded
             # gradients (as many bytes as its gathered parameters) and the gradient-reduction
             # inputs of this piece and of the one before, which FSDP2 holds until this one is issued
             gathered = max([gathered, *(2 * w.gather_bytes + 2 * w.reduce_bytes for w in works)])
         peak_out = max([peak_out, *(w.peak_output_bytes for w in works)])
     live: dict[tuple[int, int], int] = {}
-    act_peak = cold = most = total = 0
+    most = total = 0
     one_stage = len(layers) == 1 and plans[0].forward_later is None
-    graded = one_stage  # whether the rank's gradients exist yet (not before its first B or W)
+    # the optimizer sets gradients to None every step; a stage's first B (or W) makes them as
+    # it frees that micro-batch's activations (without a pipeline: there all along)
+    graded = set(mine) if one_stage else set()
+    kept = act_peak = grads_at_peak = 0  # the most activations and gradients live at once
     for a in actions:
         if a.kind is Kind.F:
             total += saved.get(a.stage, 0) - live.get((a.stage, a.mb), 0)
@@ -558,11 +564,10 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             live[(a.stage, a.mb)] = live.get((a.stage, a.mb), 0) + held.get(a.stage, 0)
         elif a.kind is Kind.B or a.kind is Kind.W:
             total -= live.pop((a.stage, a.mb), 0)
-            graded = True
-        if graded:
-            act_peak = max(act_peak, total)
-        else:
-            cold = max(cold, total)
+            graded.add(a.stage)
+        made = sum(grads[s] for s in graded)
+        if total + made > kept:
+            kept, act_peak, grads_at_peak = total + made, total, made
     transient = gathered + peak_out
     # PipelineStage's receive buffers, one per micro-batch and stage boundary it receives over
     micro = 1 + max((a.mb for a in actions), default=-1)
@@ -570,10 +575,10 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     if one_stage and most == 1:  # one micro-batch at a time: what is live when, piece by piece
         transient = max(0, _one_pass_bytes(p, plans[0]) - act_peak)
     # the sharded gradients appear only when those reductions run (set_to_none between steps)
-    return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=max(state.grads, accumulated),
+    return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=sum(grads.values()),
                        optimizer_bytes=state.optimizer,
                        activations_bytes=act_peak, in_flight=most, transient_bytes=transient,
-                       receive_bytes=receive, cold_activations_bytes=cold)
+                       receive_bytes=receive, grads_at_peak_bytes=grads_at_peak if not one_stage else None)
 
 
 def _one_pass_bytes(p: PricedClass, plan: StagePlan) -> int:
