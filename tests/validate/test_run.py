@@ -278,6 +278,38 @@ def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_pa
     assert vrun.in_step_tables("tiny-llama", None, layouts[1:], Training(global_batch=4), threads=1) == {}
 
 
+def test_in_step_tables_replay_several_copies_at_once_and_average_them(monkeypatch):
+    """``copies`` children run at the same time (each waits at a barrier for the others) and
+    their figures are averaged: op times 1, 2 and 6 ms -> 3 ms; host work 10, 20, 60 -> 30 ms."""
+    import subprocess
+    import threading
+
+    from topomesh.cost.instep import InStep
+    from topomesh.layout.api import resolve_layout
+    from topomesh.sim.simulate import Training
+    from topomesh.validate import run as vrun
+
+    key = ["aten.mm.default", "[[2,3],[3,2]]", '["float32","float32"]', "[[3,1],[2,1]]", "[]"]
+    together = threading.Barrier(3, timeout=30)
+    values = iter([0.001, 0.002, 0.006])
+    lock = threading.Lock()
+
+    def fake_run(cmd, env, **kw):  # noqa: ANN001, ANN003, ANN202
+        together.wait()  # raises unless all three children are running at once
+        with lock:
+            v = next(values)
+        out = {"tp=2,dp_shard=2": {"ops": [[key, v]], "host_fb_s": 10 * v}}
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(out))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(vrun.subprocess, "run", fake_run)
+    layouts = [("tp=2,dp_shard=2", resolve_layout({"tp": 2, "dp_shard": 2}, 4))]
+    got = vrun.in_step_tables("tiny-llama", None, layouts, Training(global_batch=4), threads=1, copies=3)
+    assert got["tp=2,dp_shard=2"].table == {tuple(key): pytest.approx(0.003)}
+    assert got["tp=2,dp_shard=2"].host_fb_s == pytest.approx(0.03)
+    assert isinstance(got["tp=2,dp_shard=2"], InStep)
+
+
 def test_pipeline_runs_keep_no_outputs(monkeypatch):
     """torch's schedules keep every micro-batch's output on the last stage unless told not to
     (4.2 MB at its peak for benchmarks/validate_llama.json); the worker trains, so it does not."""
@@ -570,6 +602,49 @@ def test_on_a_gpu_one_rank_runs_there_priced_on_its_preset_without_sweeps(monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(CalibrationError, match="--device cuda: CUDA is not available"):
         cli.run(p.parse_args(["--device", "cuda", "--model", "tiny-llama"]))
+
+
+def test_a_layout_with_more_ranks_than_cpus_is_replayed_once_per_rank_at_once(monkeypatch, capsys):
+    # four ranks on two CPUs run their ops among each other's; one replay alone times them on a
+    # core of their own (four at once priced tp=2,dp_shard=2's compute 7 % higher on average)
+    from types import SimpleNamespace
+
+    from topomesh.cli import validate as cli
+    from topomesh.cost import cluster
+    from topomesh.sim import simulate
+    from topomesh.validate import run as vrun
+
+    seen: dict[str, int] = {}
+
+    class FakeSim:
+        def __init__(self, *, model, cluster, cache, table=None):  # noqa: ANN001
+            pass
+
+        def trace(self, layout, training):  # noqa: ANN001, ANN202
+            return SimpleNamespace(traced_layers=99, events=list, segments=(), dtype="float32")
+
+        def simulate(self, layout, training):  # noqa: ANN001, ANN202
+            return _Prediction(1.0)
+
+    def in_step(model, seq_len, layouts, training, *, threads, copies=1):  # noqa: ANN001, ANN202
+        [(text, _)] = layouts
+        seen[text] = copies
+        return {}
+
+    monkeypatch.setattr("topomesh.topology.discover.allowed_cpus", lambda: [0, 1])
+    monkeypatch.setattr(simulate, "Simulator", FakeSim)
+    monkeypatch.setattr(cluster, "local_cluster", lambda gpus: None)
+    monkeypatch.setattr(vrun, "ensure_collectives", lambda world: None)
+    monkeypatch.setattr(vrun, "profile_info", lambda path: {})
+    monkeypatch.setattr(vrun, "ensure_ops", lambda records, progress=None, **kw: {})
+    monkeypatch.setattr(vrun, "in_step_tables", in_step)
+    monkeypatch.setattr(vrun, "measure", lambda *a, **kw: _record([1.0], 5, 0.0))
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--model", "tiny-llama", "--layouts", "dp_shard=2", "--layouts", "tp=2,dp_shard=2",
+                         "--repeats", "1", "--no-sweep-each-pass", "--json"])
+    assert cli.run(args) == 0
+    assert seen == {"dp_shard=2": 1, "tp=2,dp_shard=2": 4}
 
 
 @pytest.mark.parametrize(("layouts", "extra", "message"), [

@@ -210,9 +210,12 @@ def run(args: argparse.Namespace) -> int:
         for text, lay in layouts:
             step = None
             if in_step_on:  # just before the real run: this VM's speed drifts over minutes
-                with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed)"):
+                # ranks beyond the CPUs run their ops among each other's: as many replays at once
+                copies = lay.world_size if lay.world_size * args.threads > len(allowed_cpus()) else 1
+                with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed"
+                                f"{f', {copies} at once' if copies > 1 else ''})"):
                     step = in_step_tables(args.model, args.seq_len, [(text, lay)], training,
-                                          threads=args.threads).get(text)
+                                          threads=args.threads, copies=copies).get(text)
             cluster = clusters[lay.world_size]
             if step is not None and step.host_fb_s is not None:  # TP's or EP's host work, measured on this step
                 cluster = with_fb_host(cluster, traces[text], step.host_fb_s)

@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,6 +201,24 @@ class InStep:
     host_fb_s: float | None = None
     """Thread seconds of one micro-batch's eager forward and backward on the fake group beyond
     the replay's sum of the same ops; None: not measured (neither tensor nor expert parallel)."""
+
+
+def mean_in_step(steps: Sequence[InStep]) -> InStep:
+    """Several replays of one layout as one: each op's mean over the replays that timed it, the
+    mean host work where every replay measured it (else None).
+
+    >>> mean_in_step([InStep({("mm",): 1.0, ("add",): 0.5}, 2.0), InStep({("mm",): 3.0}, 4.0)])
+    InStep(table={('mm',): 2.0, ('add',): 0.5}, host_fb_s=3.0)
+    >>> mean_in_step([InStep({}, 2.0), InStep({}, None)]).host_fb_s is None
+    True
+    """
+    acc: dict[Key, list[float]] = defaultdict(list)
+    for step in steps:
+        for key, seconds in step.table.items():
+            acc[key].append(seconds)
+    hosts = [st.host_fb_s for st in steps]
+    host = None if not hosts or any(h is None for h in hosts) else statistics.fmean(hosts)
+    return InStep({k: statistics.fmean(v) for k, v in acc.items()}, host)
 
 
 def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch_size: int,
