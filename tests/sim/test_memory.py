@@ -130,7 +130,7 @@ def test_one_pass_follows_what_is_live_piece_by_piece():
     assert _one_pass_bytes(p, bigger) == 443
 
 
-def _stage_class(saved: int, boundary: int, weight_out: int = 0, grads: int = 0):  # noqa: ANN202
+def _stage_class(saved: int, boundary: int, weight_out: int = 0, grads: int = 0, head: int = 0):  # noqa: ANN202
     from topomesh.sim.price import PricedClass, Work
     from topomesh.trace.result import StateBytes
 
@@ -139,7 +139,48 @@ def _stage_class(saved: int, boundary: int, weight_out: int = 0, grads: int = 0)
                        fwd_post=empty, bwd_post=empty,
                        bwd_block=empty, bwd_pre=empty, opt_block=empty, opt_first=empty, opt_last=empty,
                        block_state=StateBytes(grads=grads), first_state=StateBytes(), last_state=StateBytes(),
-                       boundary_bytes=boundary)
+                       boundary_bytes=boundary, head_output_bytes=head)
+
+
+def test_a_pipeline_stage_keeps_its_output_until_the_micro_batch_s_backward():
+    """PyTorch's PipelineStage keeps each micro-batch's output (fwd_cache) until its backward
+    (or I): the boundary activation (10 here) on a first stage, the logits (40) on the last.
+    1F1B, pp=2, 2 micro-batches, 100 saved a micro-batch: stage 0 F0 F1 B0 B1 holds 110, 220;
+    stage 1 F0 B0 F1 B1 holds 140 at most. F0 I0 F1 W0 I1 W1 on stage 0 (30 kept from I to W):
+    110, 130 (the output gone at I), 240, 110, 130, 0. ``validate_llama.json`` under GPipe, pp=2,
+    4 micro-batches: the last stage measured 58.3 MB with four micro-batches' 1.05 MB of bf16
+    logits live, predicted 54.0 MB without them, 58.2 MB with."""
+    from topomesh.sim.schedules import Action, Kind, action_order
+    from topomesh.sim.simulate import _memory, _stage_plan
+
+    p = _stage_class(100, 10, weight_out=30, head=40)
+    plans = [_stage_plan(p, s, 2, 1, pipelined=True) for s in range(2)]
+    order = action_order("1f1b", pp=2, microbatches=2)
+    assert [_memory(p, plans, [1, 1], order[r], r, [0, 1]).activations_bytes for r in (0, 1)] == [220, 140]
+    zb = [Action(0, Kind.F, 0), Action(0, Kind.I, 0), Action(0, Kind.F, 1), Action(0, Kind.W, 0),
+          Action(0, Kind.I, 1), Action(0, Kind.W, 1)]
+    assert _memory(p, plans, [1, 1], zb, 0, [0, 1]).activations_bytes == 240
+    one = _memory(p, [_stage_plan(p, 0, 1, 2)], [2], action_order("1f1b", pp=1, microbatches=2)[0], 0, [0])
+    assert one.activations_bytes == 200  # no pipeline: no stage output kept (the loss keeps its own copy)
+
+
+def test_the_head_output_is_the_last_forward_matmul_after_the_blocks():
+    from topomesh.sim.price import head_output_bytes
+    from topomesh.trace.graph import OpRecord, Phase, TensorMeta
+    from topomesh.trace.result import Part, Segment
+
+    def rec(op, shape, dtype="bfloat16", phase=Phase.FORWARD):  # noqa: ANN001, ANN202
+        meta = TensorMeta(shape=shape, dtype=dtype, stride=(shape[1], 1))
+        return OpRecord(op=op, inputs=(), outputs=(meta,), flops=0, phase=phase)
+
+    # a projection of a user's own head, final norm, the vocabulary projection (256 tokens x
+    # 2048, bf16), then the loss's float32 copy
+    post = Segment(part=Part.REST, phase=Phase.FORWARD, events=(
+        rec("aten.mm.default", (256, 64)), rec("aten._fused_rms_norm.default", (256, 256)),
+        rec("aten.mm.default", (256, 2048)),
+        rec("aten._to_copy.default", (256, 2048), "float32"), rec("aten._log_softmax.default", (256, 2048), "float32")))
+    assert head_output_bytes([post]) == 256 * 2048 * 2
+    assert head_output_bytes([]) == 0
 
 
 @pytest.mark.parametrize("schedule, rank, want", [

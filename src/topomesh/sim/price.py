@@ -135,6 +135,8 @@ class PricedClass:
     last_state: StateBytes
     boundary_bytes: int
     """Bytes a pipeline stage sends downstream per micro-batch (a block's output)."""
+    head_output_bytes: int = 0
+    """:attr:`ClassDigest.head_output_bytes`."""
     measured_ops: int = 0
     roofline_ops: int = 0
     links: Mapping[str, AxisLink] = field(default_factory=dict)
@@ -577,12 +579,29 @@ class ClassDigest:
     grad_dtypes: tuple[str, str] = ("float32", "float32")
     fsdp_grad_dtypes: tuple[str, str] = ("float32", "float32")
     """(kept, new) dtypes of the gradient adds (:func:`grad_add_dtypes`)."""
+    head_output_bytes: int = 0
+    """Bytes of the last forward matmul's output after the blocks (the head's logits): the last
+    pipeline stage's output (:func:`head_output_bytes`)."""
 
     def pieces(self) -> dict[str, Digest]:
         return {name: getattr(self, name) for name in PIECES}
 
 
 PIECES = ("fwd_pre", "fwd_block", "fwd_post", "bwd_post", "bwd_block", "bwd_pre", "opt_block", "opt_rest")
+
+
+def head_output_bytes(segments: Iterable[Segment]) -> int:
+    """Bytes of the last forward matmul's output in ``segments`` (the forward after the blocks:
+    the head's projection, whose logits the loss then reads): what the last pipeline stage
+    outputs per micro-batch. PyTorch's ``PipelineStage`` keeps a stage's output for each
+    micro-batch until that micro-batch's backward (``fwd_cache``); without a pipeline the loss's
+    own copy is what backward keeps. 0 where there is no matmul."""
+    out = 0
+    for seg in segments:
+        for e in seg.events:
+            if isinstance(e, OpRecord) and e.phase is Phase.FORWARD and op_class(e.op) is OpClass.MATMUL and e.outputs:
+                out = e.outputs[0].numel * itemsize(e.outputs[0].dtype)
+    return out
 
 
 def price_trace(trace: Trace, pricer: Pricer, digests: dict | None = None) -> PricedClass:
@@ -625,6 +644,7 @@ def price_digest(d: ClassDigest, pricer: Pricer) -> PricedClass:
         first_state=d.first_state,
         last_state=d.last_state,
         boundary_bytes=d.boundary_bytes,
+        head_output_bytes=d.head_output_bytes,
         measured_ops=sum(p.measured for p in d.pieces().values()),
         roofline_ops=sum(p.roofline for p in d.pieces().values()),
         grad_add_s_per_byte=grad_add_s_per_byte(pricer, *d.grad_dtypes),
@@ -651,6 +671,7 @@ def digest_class(trace: Trace, pricer: Pricer) -> ClassDigest:
         out = block_fwd[-1].outputs
         boundary = sum(t.numel * itemsize(t.dtype) for t in out[:1])
     return ClassDigest(
+        head_output_bytes=head_output_bytes(f_post),
         fwd_pre=pricer.digest(f_pre),
         fwd_block=pricer.digest(f_blocks),
         fwd_post=pricer.digest(f_post),

@@ -520,6 +520,7 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     saved: dict[int, int] = {}
     held: dict[int, int] = {}  # per stage: the gradients a zero-bubble I keeps for its W
     grads: dict[int, int] = {}  # per stage: its gradients, once its first B or W has made them
+    output: dict[int, int] = {}  # per stage: its output per micro-batch, from its F to its B (or I)
     gathered = peak_out = 0
     for s in mine:
         own = p.block_state * layers[s]
@@ -533,6 +534,10 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
                     + (p.fwd_post.saved_bytes if s == last else 0))
         held[s] = (p.fwd_block.weight_output_bytes * layers[s] + (p.fwd_pre.weight_output_bytes if s == 0 else 0)
                    + (p.fwd_post.weight_output_bytes if s == last else 0))
+        # a pipeline stage keeps its output until the micro-batch's backward (PipelineStage's
+        # fwd_cache): the boundary activation, the last stage its logits; whole-model traces
+        # charge the one to the next block, and keep only the loss's copy of the other
+        output[s] = (p.head_output_bytes if s == last else p.boundary_bytes) if len(layers) > 1 else 0
         works = [pc.work for pc in (*plans[s].forward, *plans[s].backward)]
         if plans[s].forward_later is not None:  # a pipeline stage keeps all its gathered parameters
             gathered += _stage_bytes(p, plans[s].forward, s, last, "gather_bytes", p.fwd_pre, p.fwd_post)
@@ -554,14 +559,17 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     kept = act_peak = grads_at_peak = 0  # the most activations and gradients live at once
     for a in actions:
         if a.kind is Kind.F:
-            total += saved.get(a.stage, 0) - live.get((a.stage, a.mb), 0)
-            live[(a.stage, a.mb)] = saved.get(a.stage, 0)
+            keep = saved.get(a.stage, 0) + output.get(a.stage, 0)
+            total += keep - live.get((a.stage, a.mb), 0)
+            live[(a.stage, a.mb)] = keep
             most = max(most, len(live))
         elif a.kind is Kind.I:
             # a zero-bubble I keeps the graph (``stage_backward_input``: retain_graph) and so its
-            # saved tensors, and the gradient at every node leading to a weight; its W frees all
-            total += held.get(a.stage, 0)
-            live[(a.stage, a.mb)] = live.get((a.stage, a.mb), 0) + held.get(a.stage, 0)
+            # saved tensors, and the gradient at every node leading to a weight; its W frees all;
+            # the stage's output goes at the I
+            more = held.get(a.stage, 0) - output.get(a.stage, 0)
+            total += more
+            live[(a.stage, a.mb)] = live.get((a.stage, a.mb), 0) + more
         elif a.kind is Kind.B or a.kind is Kind.W:
             total -= live.pop((a.stage, a.mb), 0)
             graded.add(a.stage)
