@@ -183,15 +183,17 @@ def test_the_head_output_is_the_last_forward_matmul_after_the_blocks():
     assert head_output_bytes([]) == 0
 
 
-@pytest.mark.parametrize("schedule, rank, want", [
+@pytest.mark.parametrize("schedule, rank, micro, want", [
     # GPipe, last stage: F0 F1 hold 200 before any gradient; B0 leaves 100 and the gradients (80)
-    ("gpipe", 1, 200),
+    ("gpipe", 1, 2, 200),
     # 1F1B, last stage: F0 B0 F1 B1 — never more than one micro-batch, gradients from B0 on
-    ("1f1b", 1, 180),
+    ("1f1b", 1, 2, 180),
+    # the same over 3 micro-batches: F2 holds 100 with the gradients made once (80), not per B
+    ("1f1b", 1, 3, 180),
     # 1F1B, first stage of two with 2 micro-batches: F0 F1 (200) B0 B1 — as GPipe there
-    ("1f1b", 0, 200),
+    ("1f1b", 0, 2, 200),
 ])
-def test_gradients_exist_from_a_ranks_first_backward(schedule, rank, want):
+def test_gradients_exist_from_a_ranks_first_backward(schedule, rank, micro, want):
     """The optimizer sets the gradients to None every step; a rank's first backward makes
     them as it frees its activations. ``validate_llama.json``, ``pp=2,dp_replicate=2``, GPipe,
     2 micro-batches: its last stage measured 53.4 MB, predicted 59.2 MB with both micro-batches'
@@ -202,7 +204,7 @@ def test_gradients_exist_from_a_ranks_first_backward(schedule, rank, want):
 
     p = _stage_class(100, 0, grads=80)
     plans = [_stage_plan(p, s, 2, 1, pipelined=True) for s in range(2)]
-    got = _memory(p, plans, [1, 1], action_order(schedule, pp=2, microbatches=2)[rank], rank, [0, 1])
+    got = _memory(p, plans, [1, 1], action_order(schedule, pp=2, microbatches=micro)[rank], rank, [0, 1])
     assert got.grads_bytes == 80 and got.peak_bytes == want
 
 

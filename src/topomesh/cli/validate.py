@@ -164,10 +164,11 @@ def run(args: argparse.Namespace) -> int:
         except LayoutError as e:
             raise LayoutError(f"--layouts {text}: {e}") from None
     err = Console(stderr=True)
-    over = [] if gpu else _oversubscribed(layouts, args.threads, len(allowed_cpus()))
+    cpus = len(allowed_cpus())
+    over = [] if gpu else _oversubscribed(layouts, args.threads, cpus)
     if over:
         print(f"topomesh: {', '.join(over)}: {args.threads} threads a rank exceed this host's "
-              f"{len(allowed_cpus())} CPUs; the op table times ops on free cores, so these predictions "
+              f"{cpus} CPUs; the op table times ops on free cores, so these predictions "
               "run high (one thread a rank is what validate is calibrated for)", file=sys.stderr)
     cache = TraceCache(default_directory())
     worlds = sorted({lay.world_size for _, lay in layouts})
@@ -211,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             step = None
             if in_step_on:  # just before the real run: this VM's speed drifts over minutes
                 # ranks beyond the CPUs run their ops among each other's: as many replays at once
-                copies = lay.world_size if lay.world_size * args.threads > len(allowed_cpus()) else 1
+                copies = lay.world_size if lay.world_size * args.threads > cpus else 1
                 with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed"
                                 f"{f', {copies} at once' if copies > 1 else ''})"):
                     step = in_step_tables(args.model, args.seq_len, [(text, lay)], training,
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     ran_on = next(rec.get("device", args.device) for runs in passes.values() for _, rec in runs)
     report.update({"model": model.spec.name, "device": ran_on,
                    "cluster": cluster_name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
-                   "warmup": args.warmup, "repeats": args.repeats, "cpus": len(allowed_cpus()),
+                   "warmup": args.warmup, "repeats": args.repeats, "cpus": cpus,
                    "collective_profile": profile,
                    "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
                                      max(x for r in results for x in r.loadavg or (0,))]})

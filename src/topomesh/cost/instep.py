@@ -184,11 +184,11 @@ checkpointing's saved-tensor hooks and, for ``selective``, its caching dispatch 
 op of a block's forward and of its recomputation."""
 
 
-def host_work(layout: Any, training: Any) -> bool:
-    """Whether a layout's forward and backward run work outside its graph's ops that the
-    replay misses, so the eager step is measured too: under :data:`HOOKED_AXES`, or with
-    recomputation (:data:`HOOKED_RECOMPUTE`)."""
-    return any(layout.degree(a) > 1 for a in HOOKED_AXES) or training.recompute in HOOKED_RECOMPUTE
+def host_work(degrees: Mapping[str, int], recompute: str = "none") -> bool:
+    """Whether a rank of ``degrees`` runs work in its forward and backward outside its graph's
+    ops that the replay misses, so the eager step is measured too: under :data:`HOOKED_AXES`,
+    or with recomputation (:data:`HOOKED_RECOMPUTE`)."""
+    return any(dict(degrees).get(a.value, 1) > 1 for a in HOOKED_AXES) or recompute in HOOKED_RECOMPUTE
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +225,7 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
                   dtype: torch.dtype, repeats: int = REPEATS, warmup: int = WARMUP,
                   host: bool | None = None) -> InStep:
     """In-step seconds per op-table key for one rank of ``degrees`` (see the module docstring);
-    where ``host`` (default: under tensor or expert parallel, :data:`HOOKED_AXES`) also the
+    where ``host`` (default: :func:`host_work` of ``degrees`` without recomputation) also the
     host work of its forward and backward beyond its ops."""
     from topomesh.trace.graph import Phase
     from topomesh.trace.tracer import PHASE_META, with_step_graph
@@ -243,9 +243,7 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
                             if node.meta.get(PHASE_META) in (Phase.FORWARD, Phase.BACKWARD)))
 
     with_step_graph(spec, parallelize, degrees, use, batch_size=batch_size, dtype=dtype)
-    if host is None:
-        host = any(dict(degrees).get(a.value, 1) > 1 for a in HOOKED_AXES)
-    if not host:
+    if not (host_work(degrees) if host is None else host):
         return InStep(out)
     try:
         eager = eager_fb_s(spec, parallelize, degrees, batch_size=batch_size, dtype=dtype, repeats=repeats)
@@ -319,7 +317,7 @@ def run(spec: Mapping[str, Any]) -> dict[str, dict]:
         layout = resolve_layout(degrees, math.prod(degrees.values()), order=item.get("order"))
         (mspec, parallelize, traced), kw = trace_request(model, layout, training)
         got = in_step_times(mspec, parallelize, traced, batch_size=kw["batch_size"], dtype=kw["dtype"],
-                            repeats=int(spec.get("repeats", REPEATS)), host=host_work(layout, training))
+                            repeats=int(spec.get("repeats", REPEATS)), host=host_work(traced, training.recompute))
         result[item["text"]] = {"ops": [[list(k), s] for k, s in got.table.items()], "host_fb_s": got.host_fb_s}
     return result
 

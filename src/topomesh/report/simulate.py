@@ -55,8 +55,7 @@ def print_result(r: StepResult, *, model: str, cluster: str) -> None:
               "receive", "peak"):
         t.add_column(c, justify="right")
     for m in r.memory:
-        at_peak = m.grads_bytes if m.grads_at_peak_bytes is None else m.grads_at_peak_bytes
-        t.add_row(str(m.rank), _gb(m.params_bytes), _gb(m.grads_bytes), _gb(at_peak), _gb(m.optimizer_bytes),
+        t.add_row(str(m.rank), _gb(m.params_bytes), _gb(m.grads_bytes), _gb(m.grads_live_bytes), _gb(m.optimizer_bytes),
                   _gb(m.activations_bytes), str(m.in_flight), _gb(m.transient_bytes), _gb(m.receive_bytes),
                   _gb(m.peak_bytes))
     out.print(t)

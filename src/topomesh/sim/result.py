@@ -57,7 +57,8 @@ class StageMemory:
     """Under a pipeline, the gradients that exist at the peak: a stage's appear at its first
     backward (or W), as it frees that micro-batch's activations, since the optimizer sets them
     to None every step. GPipe's last stage of ``pp=2`` with 2 micro-batches peaks with both
-    micro-batches' activations and no gradients. None: all of :attr:`grads_bytes` (no pipeline)."""
+    micro-batches' activations and no gradients (without a pipeline: all of them). None: all of
+    :attr:`grads_bytes`."""
 
     @property
     def peak_bytes(self) -> int:
@@ -70,9 +71,14 @@ class StageMemory:
         >>> m.peak_bytes, dataclasses.replace(m, grads_at_peak_bytes=0).peak_bytes
         (53, 45)
         """
-        grads = self.grads_bytes if self.grads_at_peak_bytes is None else self.grads_at_peak_bytes
-        return (self.params_bytes + grads + self.optimizer_bytes + self.activations_bytes
+        return (self.params_bytes + self.grads_live_bytes + self.optimizer_bytes + self.activations_bytes
                 + self.transient_bytes + self.receive_bytes)
+
+    @property
+    def grads_live_bytes(self) -> int:
+        """The gradients counted in :attr:`peak_bytes`: :attr:`grads_at_peak_bytes` where given,
+        else all of :attr:`grads_bytes`."""
+        return self.grads_bytes if self.grads_at_peak_bytes is None else self.grads_at_peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "peak_bytes": self.peak_bytes, "params_bytes": self.params_bytes,

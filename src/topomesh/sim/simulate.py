@@ -556,7 +556,8 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     # the optimizer sets gradients to None every step; a stage's first B (or W) makes them as
     # it frees that micro-batch's activations (without a pipeline: there all along)
     graded = set(mine) if one_stage else set()
-    kept = act_peak = grads_at_peak = 0  # the most activations and gradients live at once
+    made = sum(grads[s] for s in graded)  # the gradients that exist so far
+    peak = act_peak = grads_at_peak = 0  # the most activations and gradients live at once
     for a in actions:
         if a.kind is Kind.F:
             keep = saved.get(a.stage, 0) + output.get(a.stage, 0)
@@ -572,10 +573,11 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             live[(a.stage, a.mb)] = live.get((a.stage, a.mb), 0) + more
         elif a.kind is Kind.B or a.kind is Kind.W:
             total -= live.pop((a.stage, a.mb), 0)
-            graded.add(a.stage)
-        made = sum(grads[s] for s in graded)
-        if total + made > kept:
-            kept, act_peak, grads_at_peak = total + made, total, made
+            if a.stage not in graded:
+                graded.add(a.stage)
+                made += grads[a.stage]
+        if total + made > peak:
+            peak, act_peak, grads_at_peak = total + made, total, made
     transient = gathered + peak_out
     # PipelineStage's receive buffers, one per micro-batch and stage boundary it receives over
     micro = 1 + max((a.mb for a in actions), default=-1)
@@ -586,7 +588,7 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     return StageMemory(rank=rank, params_bytes=state.params, grads_bytes=sum(grads.values()),
                        optimizer_bytes=state.optimizer,
                        activations_bytes=act_peak, in_flight=most, transient_bytes=transient,
-                       receive_bytes=receive, grads_at_peak_bytes=grads_at_peak if not one_stage else None)
+                       receive_bytes=receive, grads_at_peak_bytes=grads_at_peak)
 
 
 def _one_pass_bytes(p: PricedClass, plan: StagePlan) -> int:
