@@ -62,17 +62,17 @@ def test_materialize_swaps_every_fake_attribute_and_uses_given_inputs():
     assert instep.materialize(gm, [torch.randn(2, 8)])[0].shape == (3, 8)
 
 
-def test_time_nodes_takes_the_median_after_warmup(monkeypatch):
+def test_time_nodes_takes_the_mean_after_warmup(monkeypatch):
     gm = _fake_linear_graph()
     args = instep.materialize(gm, [torch.randn(3, 8)])
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     per_run = 2 * len(nodes)  # two clock reads per timed node
     calls = {"n": 0, "t": 0}
 
-    def clock():  # the warm-up run's ops take 1 ms each, later runs' 100 ns, 200 ns, 300 ns
+    def clock():  # the warm-up run's ops take 1 ms each, later runs' 100 ns, 400 ns, 900 ns
         run = calls["n"] // per_run
         calls["n"] += 1
-        calls["t"] += (10**6 if run == 0 else 100 * run) if calls["n"] % 2 == 0 else 0
+        calls["t"] += (10**6 if run == 0 else 100 * run * run) if calls["n"] % 2 == 0 else 0
         return calls["t"]
 
     monkeypatch.setattr(instep.time, "thread_time_ns", clock)
@@ -80,8 +80,9 @@ def test_time_nodes_takes_the_median_after_warmup(monkeypatch):
     torch.set_num_threads(1)
     got = instep.time_nodes(gm, args, repeats=3, warmup=1)
     assert set(got) == set(nodes)
-    # median of 100, 200, 300 ns, less the 50 ns two reads of that clock add
-    assert all(v == pytest.approx(150e-9) for v in got.values())
+    # the mean of 100, 400, 900 ns (a step's time is the sum of its ops' means; the median
+    # would be 400), less the 50 ns two reads of that clock add
+    assert all(v == pytest.approx((1400 / 3 - 50) * 1e-9) for v in got.values())
 
 
 def test_the_clock_floor_is_the_median_cost_of_two_back_to_back_reads():

@@ -18,10 +18,15 @@ spec's own ``make_inputs``), and runs it node by node (``torch.fx.Interpreter``,
 each value after its last use, as the step does) under the fake process group the trace made
 (collectives return at once: they are priced by the collective model). Each compute node is
 timed alone on the thread's CPU clock (one torch thread; wall clock with more), so the
-interpreter's own Python is not in any op's time; a node's time is its median over
+interpreter's own Python is not in any op's time; a node's time is its mean over
 ``repeats`` runs after ``warmup``, and a signature's (:func:`~topomesh.cost.ops.profile_key`)
 the mean over the nodes that run it, so the table prices the replayed step at the sum of its
-measured ops. This is per-op timing in the op's real context, as trace-driven predictors of
+measured ops. The mean, not the median, as for collectives
+(:data:`~topomesh.cost.calibrate.STATISTIC`): a step pays the sum of its ops, whose
+expectation is the sum of their means, and op times here are skewed to the right. Eleven
+replays of the one-process step of ``benchmarks/validate_llama.json`` (2-vCPU Xeon, thread
+CPU clock): the priced nodes' medians summed to 64.1 ms, their means to 65.7, and the median
+of the eleven runs' own sums was 65.1. This is per-op timing in the op's real context, as trace-driven predictors of
 training time do (Daydream, ATC '20; dPRO, MLSys '22), not a fit to step times: what the
 step adds beyond its ops (Python, autograd, DTensor, collectives, other ranks) stays the
 simulator's to model.
@@ -142,7 +147,7 @@ def time_nodes(gm: torch.fx.GraphModule, args: list[Any], *, repeats: int = REPE
     with torch.no_grad():
         for i in range(warmup + repeats):
             Timed(times if i >= warmup else None).run(*args)
-    return {n: max(0.0, statistics.median(ts) - floor) / 1e9 for n, ts in times.items()}
+    return {n: max(0.0, statistics.fmean(ts) - floor) / 1e9 for n, ts in times.items()}
 
 
 def priced_nodes(gm: torch.fx.GraphModule, groups: Any, node_s: Mapping[torch.fx.Node, float]
