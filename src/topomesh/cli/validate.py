@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "not only at their isolated op-table times (default on)")
     p.add_argument("--sweep-each-pass", action=argparse.BooleanOptionalAction, default=True,
                    help="before each pass over the layouts, one more collective sweep, the profile fitted over it "
-                        "and the newest saved ones (4 in all; default on). Off: the saved profile is reused "
+                        "and the newest saved ones (8 in all; default on). Off: the saved profile is reused "
                         "(calibrated once when there is none)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the layouts run: cpu (gloo processes sharing this host's cores, predicted on the "

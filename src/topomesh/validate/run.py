@@ -163,11 +163,20 @@ SWEEP_ARGV = ("--collectives", ",".join(SWEEP_COLLECTIVES), "--max-bytes", str(1
               "--no-progress", "--backend", "gloo")
 """The sweep validate calibrates with: :data:`SWEEP_COLLECTIVES`, up to 16 MiB."""
 
-POOL = 4
+POOL = 8
 """Sweeps the collective profile is fitted over when validate adds one before each pass
-(``calibrate --pool``): this one and the newest three saved. Three sweeps back to back here
+(``calibrate --pool``): this one and the newest seven saved. Three sweeps back to back here
 fitted a 2-rank reduce-scatter 16-36 % apart and put two ranks' compute stretch at 1.06-1.30;
-the mean over four launches halves such spreads where they are the tail of one launch's repeats."""
+the mean over several launches narrows such spreads where they are the tail of one launch's
+repeats. Four were too few for tensor parallel's hundreds of small collectives a step: 600
+barrier-separated calls between two gloo ranks (2-vCPU Xeon) gave a mean of 0.45 ms for an
+all-gather of 128 KiB (p99 4.3 ms) and 1.04 ms for a reduce-scatter of 128 KiB (p90 3.5 ms);
+means of 80 of them (four sweeps' repeats) fell between 0.36-0.55 and 0.85-1.23 ms (p10-p90 of
+4,000 draws), of 240 between 0.40-0.51 and 0.92-1.14. Successive four-sweep profiles priced
+``tp=2``'s forward and backward communication (``benchmarks/validate_llama.json``, 156
+collectives) at 148 and 195 ms, where the collectives timed between its compute took 199-211 ms
+(``benchmarks/bench_collectives_in_step.py``). Eight sweeps (160 repeats a point) cost no
+sweep more per pass: the older ones are read from the saved profile."""
 
 
 def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:

@@ -1,0 +1,178 @@
+"""A layout's collectives as its step issues them, timed for real between its compute, against
+what the simulator prices them at: the tensor-parallel gap of ``topomesh validate`` taken apart.
+
+    python benchmarks/bench_collectives_in_step.py [--model benchmarks/validate_llama.json]
+        [--layout tp=2] [--rounds 4]
+
+The layout's step is traced and its ops timed inside it (the in-step replay validate runs, in a
+child process, with the eager forward and backward's host work where it measures one). The
+forward and backward's collectives, in their order, with the priced compute before each,
+make a skeleton of the step. Two gloo processes on loopback then run it three ways, in turn,
+``--rounds`` times:
+
+* ``chain``: the collectives back to back (functional collectives, each waited on at once,
+  as DTensor's are);
+* ``skeleton``: each after its compute (a matmul loop burning that much thread CPU time);
+* ``compute``: the compute alone, on both ranks at once.
+
+``skeleton - compute`` is what the collectives cost inside the step. The simulator's figure
+is the same layout's tensor-parallel communication in its forward and backward (its
+timeline's comm events, optimizer excluded), priced with the saved collective profile.
+The stepping thread's wait for a core (``schedstat``) is printed per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _burn(seconds: float, a: torch.Tensor, b: torch.Tensor) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        torch.mm(a, b)
+
+
+def _core_wait_ms() -> float:
+    with open("/proc/thread-self/schedstat", "rb") as f:
+        return int(f.read(128).split()[1]) / 1e6
+
+
+def _rank(rank: int, store_path: str, skeleton: list, rounds: int, out: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    group = dist.group.WORLD
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    items = []
+    for seconds, kind, nbytes, dtype in skeleton:
+        dt = getattr(torch, dtype)
+        n = nbytes // dt.itemsize
+        items.append((seconds, kind, torch.ones(n // 2 if kind == "all_gather" else n, dtype=dt)))
+
+    def issue(kind: str, t: torch.Tensor) -> None:
+        if kind == "all_gather":
+            fc.wait_tensor(fc.all_gather_tensor(t, 0, group))
+        elif kind == "reduce_scatter":
+            fc.wait_tensor(fc.reduce_scatter_tensor(t, "sum", 0, group))
+        else:
+            fc.wait_tensor(fc.all_reduce(t, "sum", group))
+
+    def one(mode: str) -> tuple[float, float]:
+        dist.barrier()
+        q0, t0 = _core_wait_ms(), time.perf_counter()
+        for seconds, kind, t in items:
+            if mode != "chain":
+                _burn(seconds, a, b)
+            if mode != "compute":
+                issue(kind, t)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        wait = _core_wait_ms() - q0
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return float(took), wait
+
+    modes = ("chain", "skeleton", "compute")
+    for m in modes:  # warm-up
+        one(m)
+    res: dict[str, list] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for m in modes:
+            res[m].append(one(m))
+    waits = [None, None]
+    dist.all_gather_object(waits, {m: statistics.median(w for _, w in v) for m, v in res.items()})
+    if rank == 0:
+        Path(out).write_text(json.dumps({"s": {m: [s for s, _ in v] for m, v in res.items()}, "core_wait_ms": waits}))
+    dist.barrier()
+    # not destroy_process_group: after functional collectives gloo's teardown here sometimes
+    # aborts ("terminate called without an active exception"); the result is written
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(Path(__file__).with_name("validate_llama.json")))
+    p.add_argument("--layout", default="tp=2", help="a two-rank layout whose forward and backward issue collectives")
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    import torch.multiprocessing as mp
+
+    from topomesh.cli.validate import _layouts
+    from topomesh.cost.cluster import local_cluster
+    from topomesh.cost.ops import profile_key
+    from topomesh.sim.inputs import load_model
+    from topomesh.sim.price import grad_add_records, with_fb_host
+    from topomesh.sim.simulate import DTYPES, Simulator, Training, micro_batches
+    from topomesh.trace.cache import TraceCache, default_directory
+    from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
+    from topomesh.validate.run import ensure_ops, in_step_tables
+
+    model = load_model(args.model)
+    [(text, layout)] = _layouts([args.layout])
+    if layout.world_size != 2:
+        raise SystemExit(f"--layout {args.layout}: two ranks only (got {layout.world_size})")
+    training = Training(global_batch=args.global_batch, micro_batch=1, seq_len=model.seq_len)
+    cluster, cache = local_cluster(gpus=2), TraceCache(default_directory())
+    trace = Simulator(model=model, cluster=cluster, cache=cache).trace(layout, training)
+    full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+    records = [e for e in full.events() if isinstance(e, OpRecord)]
+    table = ensure_ops(records + grad_add_records(trace))
+    step = in_step_tables(args.model, None, [(text, layout)], training, threads=1)[text]
+    table = {**table, **step.table}
+    fb = (Phase.FORWARD, Phase.BACKWARD)
+    ops = [e for e in full.events() if isinstance(e, OpRecord) and e.phase in fb]
+    host_per_op = (step.host_fb_s or 0.0) / max(1, len(ops))
+    one_mb: list[list] = []
+    compute = 0.0
+    for e in full.events():
+        if e.phase not in fb:
+            continue
+        if isinstance(e, OpRecord):
+            compute += table.get(profile_key(e), 0.0) + host_per_op
+        elif isinstance(e, CollectiveRecord) and e.group_size > 1:
+            one_mb.append([compute * cluster.compute_share, e.kind.value, e.bytes, str(DTYPES[e.dtype]).split(".")[-1]])
+            compute = 0.0
+    micro = micro_batches(layout, training)
+    skeleton = one_mb * micro
+    priced = Simulator(model=model, cluster=with_fb_host(cluster, full, step.host_fb_s) if step.host_fb_s else cluster,
+                       cache=cache, table=table).simulate(layout, training, record=True)
+    priced_comm = sum(ev["dur"] for ev in priced.timeline["traceEvents"]
+                      if ev.get("ph") == "X" and ev.get("pid") == 0 and ev.get("tid") != 0
+                      and not ev["name"].startswith("optimizer")) / 1e6
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o700)
+        out = str(Path(tmp) / "out.json")
+        mp.spawn(_rank, args=(str(Path(tmp) / "store"), skeleton, args.rounds, out), nprocs=2)
+        got = json.loads(Path(out).read_text())
+    med = {m: statistics.median(v) for m, v in got["s"].items()}
+    n = len(skeleton)
+    print(f"{model.spec.name} {text}: {n} collectives in {micro} micro-batches' forward and backward, "
+          f"{sum(s for s, *_ in skeleton) * 1e3:.1f} ms of priced compute between them")
+    for m, v in got["s"].items():
+        waits = "/".join(f"{w[m]:.1f}" for w in got["core_wait_ms"])
+        print(f"  {m:9s} {' '.join(f'{x * 1e3:6.1f}' for x in v)} ms  median {med[m] * 1e3:6.1f}  "
+              f"core wait (ranks) {waits} ms")
+    inside = med["skeleton"] - med["compute"]
+    print(f"collectives back to back: {med['chain'] * 1e3:.1f} ms ({med['chain'] / n * 1e3:.3f} a collective)")
+    print(f"collectives inside the step (skeleton - compute): {inside * 1e3:.1f} ms ({inside / n * 1e3:.3f} a collective)")
+    print(f"simulator's priced forward/backward communication: {priced_comm * 1e3:.1f} ms "
+          f"({priced_comm / n * 1e3:.3f} a collective): {(priced_comm / inside - 1) * 100:+.1f} % against inside the step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
