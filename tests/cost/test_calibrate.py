@@ -304,3 +304,24 @@ def test_a_sweep_measured_otherwise_is_not_pooled(saved, reason):
     got, why = pool_sweeps(saved, new, keep=4)
     assert why is not None and why.startswith(reason)
     assert got["samples"] == new["samples"] and [s["measured_at"] for s in got["sweeps"]] == ["t1"]
+
+
+def test_the_compute_segment_stays_on_normal_numbers():
+    # every matmul of the chain must cost the same: the first chain's values halved each step,
+    # were subnormal after ~110 matmuls and zero by 150, so a 400-matmul timing ran on subnormals
+    # (136 us a matmul against 16 us) and its short segments ran an eighth of their labels
+    from topomesh.cost.calibrate import _matmul_chain
+
+    x = _matmul_chain()(400)
+    # b's rows sum to ~2: the values settle near the fixed point of x = tanh(2x), 0.957
+    assert 0.5 < float(x.min()) and float(x.max()) < 1.0
+
+
+def test_sweeps_timed_with_another_compute_segment_are_not_pooled():
+    from topomesh.cost.calibrate import COMPUTE_SEGMENT, pool_sweeps
+
+    old = _sweep_meta("t1", [1.0], 1.1)  # no compute_segment: the chain that ran on subnormals
+    new = _sweep_meta("t2", [2.0], 1.2, compute_segment=COMPUTE_SEGMENT)
+    got, why = pool_sweeps(old, new, keep=4)
+    assert why == f"it measured compute_segment None, this sweep {COMPUTE_SEGMENT}"
+    assert [r[4] for r in got["samples"]] == [2.0]

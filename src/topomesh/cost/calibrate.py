@@ -292,17 +292,30 @@ stretches of a step between two synchronizations here, from a tensor-parallel bl
 (1-3 ms) over an FSDP2 unit's (5-10 ms) to a pipeline stage's micro-batch (10-30 ms)."""
 
 
-def _matmul_chain() -> Callable[[int], None]:
-    """``chain(k)``: ``k`` 96×96 matmuls in a row (a tanh after each keeps the values bounded),
-    the compute segment :func:`measure_compute_stretch` times."""
+COMPUTE_SEGMENT = 2
+"""Which :func:`_matmul_chain` a sweep's compute stretch and in-step costs were timed with,
+recorded in a profile's ``meta.compute_segment`` (pooled and reused only with the same). 1 (no
+key, before 2026-11-27): its values shrank by half a matmul, were subnormal after about 110
+and zero after 150, so the 400 matmuls that timed one ran mostly on subnormals, 136 µs each
+against 16 µs on normal values; the segments meant as 0.5 / 2 / 8 ms took 0.08 / 0.24 /
+1.6 ms, and the 32 ms one 52 ms."""
+
+
+def _matmul_chain() -> Callable[[int], Any]:
+    """``chain(k)``: ``k`` 96×96 matmuls in a row, each followed by a tanh, the compute segment
+    :func:`measure_compute_stretch` and :func:`measure_collective_in_step` time; returns the last
+    value. ``b``'s rows sum to about 2, so the values settle at the fixed point of
+    ``x = tanh(2x)`` (0.96) within a few matmuls and every matmul costs the same: with rows
+    summing to 0.5 they shrank to subnormals, whose arithmetic is an order of magnitude slower."""
     import torch
 
-    a, b = torch.rand(96, 96), torch.rand(96, 96) / 96
+    a, b = torch.rand(96, 96), torch.rand(96, 96) * (4 / 96)
 
-    def chain(k: int) -> None:
+    def chain(k: int) -> Any:
         x = a
         for _ in range(k):
             x = torch.mm(x, b).tanh_()
+        return x
 
     return chain
 
@@ -396,7 +409,8 @@ def measure_collective_in_step(ranks: Sequence[int], *, budget_s: float = 0.25) 
     (2026-11-26, two runs of 150 repeats): an all-gather of 128 KiB took 0.72-0.74 ms back to
     back and, after 0.25 / 0.5 / 1 / 2 / 4 / 8 ms of compute, 0.08 / 0.40-0.54 / 0.26-0.52 /
     0.52-0.59 / 1.07-1.40 / 1.25-2.08 ms more; an all-reduce of 256 KiB -0.31…-0.91 (less) at
-    0.25 ms and +1.07…+2.13 at 8 ms. The compute after a collective is not what slows (a 2 or
+    0.25 ms and +1.07…+2.13 at 8 ms. (Until :data:`COMPUTE_SEGMENT` 2 the gaps this function
+    timed ran on subnormals and were about an eighth of their labels up to 8 ms.) The compute after a collective is not what slows (a 2 or
     8 ms chain after one took 0.0-0.2 ms longer than after a barrier): the collective is, once
     the ranks have computed a while. Returns ``{"gap": seconds}`` on ``ranks[0]``, None on the others."""
     import torch.distributed as dist
@@ -451,9 +465,10 @@ MAX_POOL = 64
 """Most sweeps ``--pool`` fits over (a profile then holds up to 64 sweeps' rows)."""
 
 POOLED_KEYS = ("world_size", "hosts", "devices", "link_source", "sizes_bytes", "collectives", "max_repeats",
-               "torch", "statistic", "groups", "rank_cpus")
+               "torch", "statistic", "groups", "rank_cpus", "compute_segment")
 """What two sweeps must share to be pooled into one fit (``meta`` of a profile): the same
-ranks, hosts, links, sizes, collectives, repeats, torch, statistic and CPU binding."""
+ranks, hosts, links, sizes, collectives, repeats, torch, statistic, CPU binding and compute
+segment (:data:`COMPUTE_SEGMENT`)."""
 
 
 def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any], str | None]:
@@ -674,6 +689,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "link_source": link_source, "sizes_bytes": cfg.sizes(), "collectives": [k.value for k in cfg.collectives],
             "max_repeats": cfg.max_repeats, "torch": torch.__version__, "statistic": STATISTIC,
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
+            "compute_segment": COMPUTE_SEGMENT,
             "collective_in_step_s": in_step,
             "rank_cpus": rank_cpus,
             "measured_at": time.strftime(MEASURED_AT, time.gmtime()),

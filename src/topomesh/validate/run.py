@@ -186,9 +186,11 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     stopped at pricing, "no model for all_to_all"), it reduced
     its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
     before 2026-11-25), it has no compute stretch for ``world`` ranks (before 2026-11-25's
-    last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), or its ranks were
-    bound to CPUs (the real runs are not: :func:`_unbound`)."""
-    from topomesh.cost.calibrate import STATISTIC, profile_directory
+    last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), its stretch and
+    in-step costs were timed with another compute segment
+    (:data:`~topomesh.cost.calibrate.COMPUTE_SEGMENT`: the one before 2026-11-27 ran on
+    subnormals), or its ranks were bound to CPUs (the real runs are not: :func:`_unbound`)."""
+    from topomesh.cost.calibrate import COMPUTE_SEGMENT, STATISTIC, profile_directory
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
 
@@ -200,6 +202,7 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
         if (int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC
                 and isinstance(swept, list) and set(SWEEP_COLLECTIVES) <= set(swept)
                 and isinstance(stretch, dict) and (world < 2 or str(world) in stretch)
+                and prof.meta.get("compute_segment") == COMPUTE_SEGMENT
                 and _unbound(prof.meta.get("rank_cpus"))):
             return path
     except ClusterError:
