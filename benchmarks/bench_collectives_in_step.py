@@ -2,7 +2,11 @@
 what the simulator prices them at: the tensor-parallel gap of ``topomesh validate`` taken apart.
 
     python benchmarks/bench_collectives_in_step.py [--model benchmarks/validate_llama.json]
-        [--layout tp=2] [--rounds 4]
+        [--seq-len N] [--layout tp=2] [--rounds 4]
+    python benchmarks/bench_collectives_in_step.py --model tiny-moe --seq-len 128 --layout ep=2
+
+(all-gather, reduce-scatter, all-reduce and all-to-all: the layouts of tensor, data and expert
+parallel on two ranks.)
 
 The layout's step is traced and its ops timed inside it (the in-step replay validate runs, in a
 child process, with the eager forward and backward's host work where it measures one). The
@@ -65,8 +69,12 @@ def _rank(rank: int, store_path: str, skeleton: list, rounds: int, out: str) -> 
             fc.wait_tensor(fc.all_gather_tensor(t, 0, group))
         elif kind == "reduce_scatter":
             fc.wait_tensor(fc.reduce_scatter_tensor(t, "sum", 0, group))
-        else:
+        elif kind == "all_to_all":
+            fc.wait_tensor(fc.all_to_all_single(t, None, None, group))
+        elif kind == "all_reduce":
             fc.wait_tensor(fc.all_reduce(t, "sum", group))
+        else:
+            raise SystemExit(f"bench_collectives_in_step: no functional form for a {kind} here")
 
     def one(mode: str) -> tuple[float, float]:
         dist.barrier()
@@ -102,6 +110,7 @@ def _rank(rank: int, store_path: str, skeleton: list, rounds: int, out: str) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(Path(__file__).with_name("validate_llama.json")))
+    p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--layout", default="tp=2", help="a two-rank layout whose forward and backward issue collectives")
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4)
@@ -120,7 +129,7 @@ def main() -> int:
     from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
     from topomesh.validate.run import ensure_ops, in_step_tables
 
-    model = load_model(args.model)
+    model = load_model(args.model, seq_len=args.seq_len)
     [(text, layout)] = _layouts([args.layout])
     if layout.world_size != 2:
         raise SystemExit(f"--layout {args.layout}: two ranks only (got {layout.world_size})")
@@ -130,7 +139,7 @@ def main() -> int:
     full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
     records = [e for e in full.events() if isinstance(e, OpRecord)]
     table = ensure_ops(records + grad_add_records(trace))
-    step = in_step_tables(args.model, None, [(text, layout)], training, threads=1)[text]
+    step = in_step_tables(args.model, args.seq_len, [(text, layout)], training, threads=1)[text]
     table = {**table, **step.table}
     fb = (Phase.FORWARD, Phase.BACKWARD)
     ops = [e for e in full.events() if isinstance(e, OpRecord) and e.phase in fb]
