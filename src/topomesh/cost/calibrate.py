@@ -410,9 +410,10 @@ def measure_collective_in_step(ranks: Sequence[int], *, budget_s: float = 0.25) 
     back and, after 0.25 / 0.5 / 1 / 2 / 4 / 8 ms of compute, 0.08 / 0.40-0.54 / 0.26-0.52 /
     0.52-0.59 / 1.07-1.40 / 1.25-2.08 ms more; an all-reduce of 256 KiB -0.31…-0.91 (less) at
     0.25 ms and +1.07…+2.13 at 8 ms. (Until :data:`COMPUTE_SEGMENT` 2 the gaps this function
-    timed ran on subnormals and were about an eighth of their labels up to 8 ms.) The compute after a collective is not what slows (a 2 or
-    8 ms chain after one took 0.0-0.2 ms longer than after a barrier): the collective is, once
-    the ranks have computed a while. Returns ``{"gap": seconds}`` on ``ranks[0]``, None on the others."""
+    timed ran on subnormals and were about an eighth of their labels up to 8 ms.) The compute
+    after a collective is not what slows (a 2 or 8 ms chain after one took 0.0-0.2 ms longer
+    than after a barrier): the collective is, once the ranks have computed a while. Returns
+    ``{"gap": seconds}`` on ``ranks[0]``, None on the others."""
     import torch.distributed as dist
 
     from topomesh.layout import groups as tm_groups

@@ -172,11 +172,12 @@ repeats. Four were too few for tensor parallel's hundreds of small collectives a
 barrier-separated calls between two gloo ranks (2-vCPU Xeon) gave a mean of 0.45 ms for an
 all-gather of 128 KiB (p99 4.3 ms) and 1.04 ms for a reduce-scatter of 128 KiB (p90 3.5 ms);
 means of 80 of them (four sweeps' repeats) fell between 0.36-0.55 and 0.85-1.23 ms (p10-p90 of
-4,000 draws), of 240 between 0.40-0.51 and 0.92-1.14. Successive four-sweep profiles priced
-``tp=2``'s forward and backward communication (``benchmarks/validate_llama.json``, 156
-collectives) at 148 and 195 ms, where the collectives timed between its compute took 199-211 ms
-(``benchmarks/bench_collectives_in_step.py``). Eight sweeps (160 repeats a point) cost no
-sweep more per pass: the older ones are read from the saved profile."""
+4,000 draws), of 240 between 0.40-0.51 and 0.92-1.14. Two four-sweep profiles three sweeps
+apart priced ``tp=2``'s forward and backward communication (``benchmarks/validate_llama.json``,
+156 collectives) at 195 and 125 ms, where the collectives timed between its compute took
+199-216 ms (``benchmarks/bench_collectives_in_step.py``; most of that miss was the compute
+segment, :data:`~topomesh.cost.calibrate.COMPUTE_SEGMENT`). Eight sweeps (160 repeats a point)
+cost no sweep more per pass: the older ones are read from the saved profile."""
 
 
 def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
