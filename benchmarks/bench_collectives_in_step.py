@@ -45,14 +45,11 @@ def _burn(seconds: float, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.mm(a, b)
 
 
-def _core_wait_ms() -> float:
-    with open("/proc/thread-self/schedstat", "rb") as f:
-        return int(f.read(128).split()[1]) / 1e6
-
-
 def _rank(rank: int, store_path: str, skeleton: list, rounds: int, out: str) -> None:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
+
+    from topomesh.validate.worker import core_wait_ns
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
@@ -60,9 +57,8 @@ def _rank(rank: int, store_path: str, skeleton: list, rounds: int, out: str) -> 
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     items = []
     for seconds, kind, nbytes, dtype in skeleton:
-        dt = getattr(torch, dtype)
-        n = nbytes // dt.itemsize
-        items.append((seconds, kind, torch.ones(n // 2 if kind == "all_gather" else n, dtype=dt)))
+        n = nbytes // dtype.itemsize
+        items.append((seconds, kind, torch.ones(n // 2 if kind == "all_gather" else n, dtype=dtype)))
 
     def issue(kind: str, t: torch.Tensor) -> None:
         if kind == "all_gather":
@@ -78,14 +74,14 @@ def _rank(rank: int, store_path: str, skeleton: list, rounds: int, out: str) -> 
 
     def one(mode: str) -> tuple[float, float]:
         dist.barrier()
-        q0, t0 = _core_wait_ms(), time.perf_counter()
+        q0, t0 = core_wait_ns(), time.perf_counter()
         for seconds, kind, t in items:
             if mode != "chain":
                 _burn(seconds, a, b)
             if mode != "compute":
                 issue(kind, t)
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        wait = _core_wait_ms() - q0
+        wait = (core_wait_ns() - q0) / 1e6
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took), wait
 
@@ -121,9 +117,9 @@ def main() -> int:
 
     from topomesh.cli.validate import _layouts
     from topomesh.cost.cluster import local_cluster
-    from topomesh.cost.ops import profile_key
+    from topomesh.cost.ops import op_time_s, profilable
     from topomesh.sim.inputs import load_model
-    from topomesh.sim.price import grad_add_records, with_fb_host
+    from topomesh.sim.price import collective_host_s, grad_add_records, with_fb_host
     from topomesh.sim.simulate import DTYPES, Simulator, Training, micro_batches
     from topomesh.trace.cache import TraceCache, default_directory
     from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
@@ -141,23 +137,24 @@ def main() -> int:
     table = ensure_ops(records + grad_add_records(trace))
     step = in_step_tables(args.model, args.seq_len, [(text, layout)], training, threads=1)[text]
     table = {**table, **step.table}
-    fb = (Phase.FORWARD, Phase.BACKWARD)
-    ops = [e for e in full.events() if isinstance(e, OpRecord) and e.phase in fb]
-    host_per_op = (step.host_fb_s or 0.0) / max(1, len(ops))
-    one_mb: list[list] = []
+    if step.host_fb_s is not None:  # the host work per op and per collective, as validate prices it
+        cluster = with_fb_host(cluster, full, step.host_fb_s)
+    # the compute before each forward and backward collective, as the simulator prices it on
+    # shared cores: each op from the table (else its roofline) and its host work, stretched
+    one_mb: list[tuple] = []
     compute = 0.0
     for e in full.events():
-        if e.phase not in fb:
+        if e.phase not in (Phase.FORWARD, Phase.BACKWARD):
             continue
         if isinstance(e, OpRecord):
-            compute += table.get(profile_key(e), 0.0) + host_per_op
+            compute += op_time_s(e, cluster.device, table).seconds + (cluster.fb_host_s or 0.0) * profilable(e)
         elif isinstance(e, CollectiveRecord) and e.group_size > 1:
-            one_mb.append([compute * cluster.compute_share, e.kind.value, e.bytes, str(DTYPES[e.dtype]).split(".")[-1]])
+            compute += collective_host_s(cluster, e)
+            one_mb.append((compute * cluster.compute_share, e.kind.value, e.bytes, DTYPES[e.dtype]))
             compute = 0.0
     micro = micro_batches(layout, training)
     skeleton = one_mb * micro
-    priced = Simulator(model=model, cluster=with_fb_host(cluster, full, step.host_fb_s) if step.host_fb_s else cluster,
-                       cache=cache, table=table).simulate(layout, training, record=True)
+    priced = Simulator(model=model, cluster=cluster, cache=cache, table=table).simulate(layout, training, record=True)
     priced_comm = sum(ev["dur"] for ev in priced.timeline["traceEvents"]
                       if ev.get("ph") == "X" and ev.get("pid") == 0 and ev.get("tid") != 0
                       and not ev["name"].startswith("optimizer")) / 1e6

@@ -28,9 +28,8 @@ replays of the one-process step of ``benchmarks/validate_llama.json`` (2-vCPU Xe
 CPU clock): the priced nodes' medians summed to 64.1 ms, their means to 65.7, and the median
 of the eleven runs' own sums was 65.1. This is per-op timing in the op's real context, as
 trace-driven predictors of training time do (Daydream, ATC '20; dPRO, MLSys '22), not a fit
-to step times: what the
-step adds beyond its ops (Python, autograd, DTensor, collectives, other ranks) stays the
-simulator's to model.
+to step times: what the step adds beyond its ops (Python, autograd, DTensor, collectives,
+other ranks) stays the simulator's to model.
 
 ``python -m topomesh.cost.instep --spec FILE --out FILE`` does it for a list of layouts in a
 fresh process, so the replay runs under the same thread count and malloc settings as the real
