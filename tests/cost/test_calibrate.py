@@ -85,6 +85,9 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
 
     in_step = prof.meta["collective_in_step_s"]
     assert set(in_step) == {str(g) for g in IN_STEP_GAPS_S} and all(abs(v) < 0.02 for v in in_step.values())
+    # both timed on the chain that stays on normal numbers, and the profile says so (validate
+    # reuses, and calibrate pools, only profiles that do)
+    assert prof.meta["compute_segment"] == 2
 
 
 @pytest.mark.slow
