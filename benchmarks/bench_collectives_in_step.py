@@ -119,7 +119,7 @@ def main() -> int:
     from topomesh.cost.cluster import local_cluster
     from topomesh.cost.ops import op_time_s, profilable
     from topomesh.sim.inputs import load_model
-    from topomesh.sim.price import collective_host_s, grad_add_records, with_fb_host
+    from topomesh.sim.price import collective_host_s, grad_probe_records, with_fb_host
     from topomesh.sim.simulate import DTYPES, Simulator, Training, micro_batches
     from topomesh.trace.cache import TraceCache, default_directory
     from topomesh.trace.graph import CollectiveRecord, OpRecord, Phase
@@ -134,7 +134,7 @@ def main() -> int:
     trace = Simulator(model=model, cluster=cluster, cache=cache).trace(layout, training)
     full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
     records = [e for e in full.events() if isinstance(e, OpRecord)]
-    table = ensure_ops(records + grad_add_records(trace))
+    table = ensure_ops(records + grad_probe_records(trace))
     step = in_step_tables(args.model, args.seq_len, [(text, layout)], training, threads=1)[text]
     table = {**table, **step.table}
     if step.host_fb_s is not None:  # the host work per op and per collective, as validate prices it

@@ -1,7 +1,8 @@
 """Gradient accumulation: every backward of a step but one adds its gradients into those
 kept from the earlier micro-batches (autograd's ``grad += new``; FSDP2's unsharded
 accumulated gradient under a pipeline), ``micro - 1`` memory-bound adds the trace of one
-micro-batch does not contain. Expected values are worked out by hand."""
+micro-batch does not contain; a pipeline schedule then divides them by the micro-batch count
+(``PipelineStage.scale_grads``). Expected values are worked out by hand."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from topomesh.trace.result import StateBytes
 
 
 def _priced(*, rate: float, block_reduce_bytes: int = 0, block_gather_bytes: int = 0,
-            fsdp_rate: float | None = None) -> PricedClass:
+            fsdp_rate: float | None = None, scale_rate: float = 0.0) -> PricedClass:
     # per block: forward 0.5 s, backward 1.0 s; 1000 B of gradients per block, 200 B in the
     # embedding, 300 B in the head (as the optimizer sees them); ``rate`` per byte moved
     empty = Work()
@@ -24,7 +25,8 @@ def _priced(*, rate: float, block_reduce_bytes: int = 0, block_gather_bytes: int
                        opt_block=empty, opt_first=empty, opt_last=empty,
                        block_state=StateBytes(grads=1000), first_state=StateBytes(grads=200),
                        last_state=StateBytes(grads=300), boundary_bytes=0, grad_add_s_per_byte=rate,
-                       fsdp_grad_add_s_per_byte=rate if fsdp_rate is None else fsdp_rate)
+                       fsdp_grad_add_s_per_byte=rate if fsdp_rate is None else fsdp_rate,
+                       grad_scale_s_per_byte=scale_rate)
 
 
 def _compute(pieces) -> float:  # noqa: ANN001
@@ -83,6 +85,16 @@ def test_the_add_is_priced_like_any_op():
                      phase=Phase.BACKWARD)
     table = {profile_key(probe): 0.012}
     assert grad_add_s_per_byte(Pricer(h100, lambda _: None, table)) == pytest.approx(0.012 / (3 * GRAD_ADD_PROBE_BYTES), rel=1e-9, abs=0)
+    # the pipeline's division likewise: the roofline, else 5 ms measured for 64 MiB of bfloat16
+    # gradients read and written
+    from topomesh.sim.price import grad_scale_s_per_byte
+
+    assert grad_scale_s_per_byte(Pricer(h100, lambda _: None, {})) == pytest.approx(1 / (3350e9 * 0.9), rel=1e-9, abs=0)
+    g = TensorMeta(shape=(GRAD_ADD_PROBE_BYTES // 2,), dtype="bfloat16", stride=(1,))
+    div = OpRecord(op="aten.div_.Scalar", inputs=(g,), outputs=(g,), flops=g.shape[0], bytes_moved=2 * GRAD_ADD_PROBE_BYTES, args=(2,),
+                   phase=Phase.OPTIMIZER)
+    got = grad_scale_s_per_byte(Pricer(h100, lambda _: None, {profile_key(div): 0.005}), "bfloat16")
+    assert got == pytest.approx(0.005 / (2 * GRAD_ADD_PROBE_BYTES), rel=1e-9, abs=0)
 
 
 def test_a_step_of_several_micro_batches_pays_the_adds(monkeypatch):
@@ -136,13 +148,16 @@ def test_the_gradient_dtypes_come_from_the_trace(degrees, mixed, want):
     from topomesh.cost.cluster import load_cluster
     from topomesh.layout.dims import Layout
     from topomesh.models.presets import get_preset
-    from topomesh.sim.price import grad_add_dtypes, grad_add_records
+    from topomesh.sim.price import grad_add_dtypes, grad_probe_records
     from topomesh.sim.simulate import Simulator, Training, builtin_model
 
     sim = Simulator(model=builtin_model(get_preset("tiny-llama")), cluster=load_cluster("dgx-h100", gpus=2))
     trace = sim.trace(Layout(**degrees), Training(global_batch=4, dtype="bf16", mixed_precision=mixed))
     assert grad_add_dtypes(trace) == want
-    assert {(r.inputs[0].dtype, r.inputs[1].dtype) for r in grad_add_records(trace)} == set(want)
+    probes = grad_probe_records(trace)
+    assert {(r.inputs[0].dtype, r.inputs[1].dtype) for r in probes if r.op == "aten.add_.Tensor"} == set(want)
+    # the pipeline's scaling of the gradients the optimizer sees, in their dtype
+    assert [r.inputs[0].dtype for r in probes if r.op == "aten.div_.Scalar"] == [want[0][0]]
 
 
 def test_in_a_pipeline_the_first_backward_adds_nothing_and_the_last_adds():
@@ -161,3 +176,40 @@ def test_in_a_pipeline_the_first_backward_adds_nothing_and_the_last_adds():
     one = action_order(Schedule.GPIPE, pp=2, microbatches=1)  # one micro-batch: no add anywhere
     assert simulate_pipeline(plans, one, [0, 1], 0.0).step_time_s == pytest.approx(0.5 + 0.5 + 1.0 + 1.0)
     assert kernel.run(plans, Schedule.GPIPE, 2, 1, 1, [0, 1], 0.0).step_time_s == pytest.approx(3.0)
+
+
+def test_a_pipeline_divides_its_gradients_before_the_optimizer():
+    # the same two stages, no adds, 1 ms a byte moved by the division (read + write): stage 0
+    # 2 x (1000 + 200) B = 2.4 s, stage 1 2 x (1000 + 300) B = 2.6 s, before its optimizer.
+    # rank 1: F0 0.5-1, B0 1-2, F1 2-2.5, B1 2.5-3.5, scaling 3.5-6.1;
+    # rank 0: F0 0-0.5, F1 0.5-1, B0 2-3, B1 3.5-4.5, scaling 4.5-6.9: the step ends at 6.9 s.
+    from topomesh.sim import kernel
+
+    plans = [_stage_plan(_priced(rate=0.0, scale_rate=1e-3), s, 2, 1, pipelined=True, scaled=True) for s in range(2)]
+    assert [_compute(p.optimizer) for p in plans] == [pytest.approx(2.4), pytest.approx(2.6)]
+    actions = action_order(Schedule.ONE_F_ONE_B, pp=2, microbatches=2)
+    run = simulate_pipeline(plans, actions, [0, 1], 0.0)
+    assert run.step_time_s == pytest.approx(6.9)
+    assert kernel.run(plans, Schedule.ONE_F_ONE_B, 2, 2, 1, [0, 1], 0.0).step_time_s == pytest.approx(6.9)
+    unscaled = [_stage_plan(_priced(rate=0.0, scale_rate=1e-3), s, 2, 1, pipelined=True) for s in range(2)]
+    assert simulate_pipeline(unscaled, actions, [0, 1], 0.0).step_time_s == pytest.approx(4.5)
+
+
+def test_a_pipeline_of_one_micro_batch_does_not_divide():
+    # torch's schedules divide only when the micro-batch count is not 1; the simulator keeps
+    # the plans of both in one memo, and the one-micro-batch step must not borrow the others'
+    from topomesh.cost.cluster import load_cluster
+    from topomesh.layout.dims import Layout
+    from topomesh.models.presets import get_preset
+    from topomesh.sim.simulate import Simulator, Training, builtin_model
+
+    def sim() -> Simulator:
+        return Simulator(model=builtin_model(get_preset("tiny-llama")), cluster=load_cluster("dgx-h100", gpus=2))
+
+    lay = Layout(pp=2)
+    one, two = (Training(global_batch=g, schedule=Schedule.GPIPE) for g in (1, 2))
+    warm = sim()
+    several = warm.simulate(lay, two).breakdown.optimizer_s
+    alone = sim().simulate(lay, one).breakdown.optimizer_s
+    assert warm.simulate(lay, one).breakdown.optimizer_s == pytest.approx(alone, rel=1e-12)
+    assert several > alone  # the division, on the H100's memory bandwidth

@@ -79,10 +79,11 @@ def _trace_records(args: argparse.Namespace) -> list[OpRecord]:
                        batch_size=args.batch_size, dtype=dtype, gpu_kernels=args.device.startswith("cuda"))
     if spec.n_layers > traced:
         trace = trace.compose(spec.n_layers)
-    from topomesh.sim.price import grad_add_records
+    from topomesh.sim.price import grad_probe_records
 
-    # and the probes its gradient accumulation is priced with (sim.price.grad_add_s_per_byte)
-    return [e for e in trace.events() if isinstance(e, OpRecord)] + grad_add_records(trace)
+    # and the probes its gradient adds and a pipeline's gradient scaling are priced with
+    # (sim.price.grad_add_s_per_byte, grad_scale_s_per_byte)
+    return [e for e in trace.events() if isinstance(e, OpRecord)] + grad_probe_records(trace)
 
 
 def _profile(records: list[Any], db: OpProfileDB, device: str, fp: str, show: bool,

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from topomesh.cost.devices import current_device_spec
     from topomesh.errors import CalibrationError, LayoutError
     from topomesh.sim.inputs import load_model
-    from topomesh.sim.price import grad_add_records, with_fb_host
+    from topomesh.sim.price import grad_probe_records, with_fb_host
     from topomesh.sim.schedules import Schedule
     from topomesh.sim.simulate import Simulator, Training, check_model_layout, micro_batches
     from topomesh.topology.discover import allowed_cpus
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
             trace = Simulator(model=model, cluster=clusters[lay.world_size], cache=cache).trace(lay, training)
         full = traces[text] = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
         records += [e for e in full.events() if isinstance(e, OpRecord)]
-        records += grad_add_records(trace)  # what its gradient accumulation is priced with
+        records += grad_probe_records(trace)  # what its gradient adds and scaling are priced with
     with err.status("op table (ops not yet measured at this thread count)") as status:
         table = ensure_ops(records, progress=lambda d, n, op: status.update(f"profiling ops {d}/{n}: {op}"),
                            device=args.device, db=args.db)

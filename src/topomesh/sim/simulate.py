@@ -366,14 +366,16 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         for s in (rank_stages(schedule, pp, interleave, r) if pp > 1 else [0]):
             stage_rank[s] = r
     # the plans of this trace and stage split, with their collectives as slots (link-free)
-    tpl_key = (id(digest), tuple(layers), pp > 1)
+    scaled = pp > 1 and micro > 1  # the schedule divides the gradients by the micro-batch count
+    tpl_key = (id(digest), tuple(layers), pp > 1, scaled)
     from topomesh.sim import kernel  # numba: imported when a step is first simulated
 
     hit = memo.templates.get(tpl_key)
     if hit is None:
         sym = SymbolicPricer(cluster, table or {}, memo.ops)
         sym_priced = price_digest(digest, sym)
-        sym_plans = [_stage_plan(sym_priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
+        sym_plans = [_stage_plan(sym_priced, s, stages, n, pipelined=pp > 1, scaled=scaled)
+                     for s, n in enumerate(layers)]
         hit = memo.templates[tpl_key] = (digest, kernel.template(sym_plans, sym.records,
                                                                  (sym_priced, sym_plans, tuple(sym.gaps))))
     tpl = hit[1]
@@ -393,7 +395,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             priced = memo.priced[signature] = (digest, price_digest(digest, Pricer(cluster, link_of, table or {},
                                                                                    memo.ops)))
         priced = priced[1]
-        plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1) for s, n in enumerate(layers)]
+        plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1, scaled=scaled) for s, n in enumerate(layers)]
         actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
         if shared:
             from topomesh.sim.shared import shared_pipeline
@@ -427,7 +429,8 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
                    links, schedule, interleave)
 
 
-def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool = False) -> StagePlan:
+def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool = False,
+                scaled: bool = False) -> StagePlan:
     """The pieces of global stage ``s`` (``n`` blocks). Under a pipeline, PyTorch's stage runs
     FSDP without resharding after backward and without gradient sync until the last backward
     (``PipelineStage.backward_maybe_with_nosync``), and FSDP keeps its parameters after
@@ -440,8 +443,13 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
     backwards after the first (``backward_early``, ``backward_last``); the first has nothing to
     add into (``backward_first``), and the one backward of a single micro-batch neither
     (``backward``). Where they fall matters in a pipeline: the last backward of the first stage
-    ends the step, and the first waits for the next stage anyway."""
+    ends the step, and the first waits for the next stage anyway.
+
+    ``scaled`` (a pipeline of more than one micro-batch): the stage's optimizer starts with the
+    schedule's scaling of its gradients (:func:`_scaling`)."""
     plan = _pieces(p, s, stages, n)
+    if scaled:
+        plan = dataclasses.replace(plan, optimizer=_scaling(p, plan.optimizer))
     if not pipelined:
         added = _accumulating(p, plan.backward, pipelined=False)
         added_w = _accumulating(p, plan.backward_weight, pipelined=False)
@@ -463,6 +471,18 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
         backward_last=_accumulating(p, backward, pipelined=True),
         backward_weight_first=quiet_w, backward_weight_early=_accumulating(p, quiet_w, pipelined=True),
         backward_weight_last=_accumulating(p, plan.backward_weight, pipelined=True))
+
+
+def _scaling(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
+    """Optimizer ``pieces`` that first divide their gradients by the micro-batch count, as every
+    PyTorch pipeline schedule does once the stage's last backward and its sends are done
+    (``PipelineStage.scale_grads``): a read and a write of the gradients the optimizer sees
+    (:attr:`StateBytes.grads`, sharded under FSDP: it runs after the reduction) at
+    :attr:`PricedClass.grad_scale_s_per_byte`. The first stage's runs after the step's last
+    backward, on the critical path."""
+    state = {"optimizer": p.block_state, "optimizer (embed)": p.first_state, "optimizer (head)": p.last_state}
+    return tuple(dataclasses.replace(pc, work=dataclasses.replace(
+        pc.work, compute_s=pc.work.compute_s + 2 * state[pc.label].grads * p.grad_scale_s_per_byte)) for pc in pieces)
 
 
 def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool) -> tuple[Piece, ...]:
