@@ -85,9 +85,9 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
 
     in_step = prof.meta["collective_in_step_s"]
     assert set(in_step) == {str(g) for g in IN_STEP_GAPS_S} and all(abs(v) < 0.02 for v in in_step.values())
-    # both timed on the chain that stays on normal numbers, and the profile says so (validate
-    # reuses, and calibrate pools, only profiles that do)
-    assert prof.meta["compute_segment"] == 2
+    # both timed on the chain that stays on normal numbers, the stretch's ranks from a common
+    # start, and the profile says so (validate reuses, and calibrate pools, only profiles that do)
+    assert prof.meta["compute_segment"] == 3
 
 
 @pytest.mark.slow
@@ -191,6 +191,44 @@ def test_the_stretch_is_measured_for_every_power_of_two_and_the_host(monkeypatch
     # the same work timed alone and "together" by one process: about 1 (a loaded machine moves it)
     assert all(0.3 < v < 3 for v in got.values())
     assert gathered == [len(ranks)] * len(counts) * len(calibrate.STRETCH_SEGMENTS_S)
+
+
+def test_a_rank_that_waits_for_a_core_waits_inside_its_time(monkeypatch):
+    """Faked clock: a chain of 4 ms; alone the rank starts on time, together with the other it
+    gets a core 2 ms after the common start. Timed from that start, the stretch is by hand
+    (4 + 2) / 4 = 1.5; timed from when the rank got going it would be 1.0."""
+    import torch.distributed as dist
+
+    from topomesh.cost import calibrate
+
+    now = [100.0]
+    waits = []
+
+    def wait_until(at):
+        waits.append(at)
+        now[0] = at + (0.0 if len(waits) <= 10 else 0.002)  # 10 repeats alone, then together
+
+    def chain(k):
+        now[0] += k * 1e-3
+
+    def all_gather(out, t):
+        for o in out:
+            o.copy_(t)
+
+    monkeypatch.setattr(calibrate, "STRETCH_SEGMENTS_S", (0.004,))
+    monkeypatch.setattr(calibrate, "_timed_chain", lambda lead: (chain, 1e-3))
+    monkeypatch.setattr(calibrate, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(calibrate, "_wait_until", wait_until)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: None)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    got = calibrate.measure_compute_stretch([0, 1], budget_s=0.001)
+    assert got == {"2": pytest.approx(1.5)}
+    assert len(waits) == 20  # 10 repeats a team (the floor)
+    # each start set by the lead ahead of its clock
+    assert waits[0] == pytest.approx(100.0 + calibrate.STRETCH_START_S)
 
 
 @pytest.mark.parametrize("me", [0, 1, 2])

@@ -292,13 +292,37 @@ stretches of a step between two synchronizations here, from a tensor-parallel bl
 (1-3 ms) over an FSDP2 unit's (5-10 ms) to a pipeline stage's micro-batch (10-30 ms)."""
 
 
-COMPUTE_SEGMENT = 2
-"""Which :func:`_matmul_chain` a sweep's compute stretch and in-step costs were timed with,
-recorded in a profile's ``meta.compute_segment`` (pooled and reused only with the same). 1 (no
-key, before 2026-11-27): its values shrank by half a matmul, were subnormal after about 110
-and zero after 150, so the 400 matmuls that timed one ran mostly on subnormals, 136 µs each
-against 16 µs on normal values; the segments meant as 0.5 / 2 / 8 ms took 0.08 / 0.24 /
-1.6 ms, and the 32 ms one 52 ms."""
+COMPUTE_SEGMENT = 3
+"""How a sweep timed its compute segments (the compute stretch's and the in-step costs'),
+recorded in a profile's ``meta.compute_segment`` (pooled and reused only with the same).
+1 (no key, before 2026-11-27): :func:`_matmul_chain`'s values shrank by half a matmul, were
+subnormal after about 110 and zero after 150, so the 400 matmuls that timed one ran mostly on
+subnormals, 136 µs each against 16 µs on normal values; the segments meant as 0.5 / 2 / 8 ms
+took 0.08 / 0.24 / 1.6 ms, and the 32 ms one 52 ms. 2: the chain on normal values, but each
+rank of the stretch timed its segment from when it got going after a barrier, which leaves
+out the wait for a core of the ranks that outnumber the cores: four ranks on this 2-core VM
+came out at 1.67-1.73 (two ranks 1.02-1.08). 3: the ranks start at a common instant
+(:func:`measure_compute_stretch`): 1.95-2.14 per length for four ranks, 1.01-1.09 for two."""
+
+
+STRETCH_START_S = 0.002
+"""How far ahead of its own clock the lead sets each repeat's common start: after a barrier,
+the broadcast that carries it reaches four idle ranks here in well under a millisecond."""
+
+
+def _monotonic() -> float:
+    """The host's monotonic clock (``CLOCK_MONOTONIC``: one clock for every process of a host,
+    so ranks of one host can start at an instant one of them sets)."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def _wait_until(at: float) -> None:
+    """Sleep until shortly before ``at`` (:func:`_monotonic`), then spin to it: a sleep
+    overshoots by tens of microseconds."""
+    while (left := at - _monotonic()) > 3e-4:
+        time.sleep(left - 2e-4)
+    while _monotonic() < at:
+        pass
 
 
 def _matmul_chain() -> Callable[[int], Any]:
@@ -351,8 +375,17 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> d
     ``E[max over the n ranks] / E[one rank alone]``. For each length in
     :data:`STRETCH_SEGMENTS_S`, rank ``ranks[0]`` finds the matmul count of that length and
     broadcasts it, runs it alone (the others wait at a barrier), then ``n`` ranks run it
-    together after a barrier, each timing its own, repeated for about ``budget_s``; the
-    stretch of ``n`` is the mean over lengths of the ratio of means (:data:`STATISTIC`).
+    together, repeated for about ``budget_s``; the stretch of ``n`` is the mean over lengths
+    of the ratio of means (:data:`STATISTIC`).
+
+    Each repeat starts, after a barrier, at an instant the lead broadcasts
+    (:data:`STRETCH_START_S` ahead), and each rank's time runs from that instant, not from
+    when it got going: a rank that waits for a core does so inside its time, as inside a
+    step. Timed from each rank's own start (before :data:`COMPUTE_SEGMENT` 3), four ranks on
+    this 2-core VM came out at 1.67-1.73, less than the two cores' share they need; from the
+    common start 1.95-2.14, and the same chain in four processes started together by a
+    semaphore 2.07-2.15 (two ranks: 1.01-1.09 either way). In ``topomesh validate``'s sweeps,
+    among its other processes: four ranks 2.09-2.21, two 1.10-1.16 (1.05-1.07 before).
     Returns ``{"n": stretch, ...}`` on ``ranks[0]`` and ``{}`` on the others."""
     import torch
     import torch.distributed as dist
@@ -362,21 +395,27 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> d
     ratios: dict[int, list[float]] = {n: [] for n in counts}
     chain, per = _timed_chain(lead)
 
+    start = torch.zeros(1, dtype=torch.float64)
+
     def timed(team: Sequence[int], k: int, reps: int) -> torch.Tensor:
-        """This rank's time for ``chain(k)`` in each of ``reps`` repeats, all of ``team`` starting
-        together after a barrier (0 where this rank is not in ``team``)."""
+        """This rank's time for ``chain(k)`` in each of ``reps`` repeats, from the instant all
+        of ``team`` start at (0 where this rank is not in ``team``)."""
         mine = torch.zeros(reps, dtype=torch.float64)
         for i in range(reps):
             dist.barrier()
+            if me == lead:
+                start[0] = _monotonic() + STRETCH_START_S
+            dist.broadcast(start, src=lead)
             if me in team:
-                t0 = time.perf_counter()
+                at = float(start[0])
+                _wait_until(at)
                 chain(k)
-                mine[i] = time.perf_counter() - t0
+                mine[i] = _monotonic() - at
         return mine
 
     for seconds in STRETCH_SEGMENTS_S:
         k = max(1, round(seconds / per))
-        reps = max(10, round(budget_s / seconds))
+        reps = max(10, round(budget_s / (seconds + STRETCH_START_S)))
         alone = timed(ranks[:1], k, reps).tolist()  # the lead's own
         for n in counts:
             team = ranks[:n]

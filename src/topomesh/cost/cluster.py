@@ -194,11 +194,11 @@ class Cluster:
         """How many times longer a rank's compute and host work take here than the op table's
         one-rank times: the measured :attr:`compute_stretch`, else :attr:`core_share`, and never
         less than :attr:`core_share`: ranks that all compute need that many times their work in
-        core time. (The stretch times each rank's own segment; where ranks outnumber cores, one
-        that gets a core only when another finishes starts late and then times what it takes
-        alone: four ranks on two cores measured 1.50 here, while four one-process steps at once
-        took 2.0 times one alone.) Collectives stay at :attr:`core_share`: their calibration
-        already ran every rank of their group at once.
+        core time. (Until the calibration timed every rank from a common start, a rank that got
+        a core only when another finished started late and then timed what it took alone: four
+        ranks on two cores measured 1.50-1.78 here, while four one-process steps at once took 2.0
+        times one alone; from the common start 2.09-2.21.) Collectives stay at
+        :attr:`core_share`: their calibration already ran every rank of their group at once.
 
         >>> import dataclasses
         >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=8), cores=2, threads_per_rank=1)
