@@ -385,7 +385,7 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> d
     this 2-core VM came out at 1.67-1.73, less than the two cores' share they need; from the
     common start 1.95-2.14, and the same chain in four processes started together by a
     semaphore 2.07-2.15 (two ranks: 1.01-1.09 either way). In ``topomesh validate``'s sweeps,
-    among its other processes: four ranks 2.09-2.21, two 1.10-1.16 (1.05-1.07 before).
+    among its other processes: four ranks 2.09-2.31, two 1.09-1.24 in eight sweeps (1.05-1.07 before).
     Returns ``{"n": stretch, ...}`` on ``ranks[0]`` and ``{}`` on the others."""
     import torch
     import torch.distributed as dist

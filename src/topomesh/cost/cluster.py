@@ -196,8 +196,8 @@ class Cluster:
         less than :attr:`core_share`: ranks that all compute need that many times their work in
         core time. (Until the calibration timed every rank from a common start, a rank that got
         a core only when another finished started late and then timed what it took alone: four
-        ranks on two cores measured 1.50-1.78 here, while four one-process steps at once took 2.0
-        times one alone; from the common start 2.09-2.21.) Collectives stay at
+        ranks on two cores measured 1.50-1.88 here, while four one-process steps at once took 2.0
+        times one alone; from the common start 2.09-2.31.) Collectives stay at
         :attr:`core_share`: their calibration already ran every rank of their group at once.
 
         >>> import dataclasses
