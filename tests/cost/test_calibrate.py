@@ -193,6 +193,17 @@ def test_the_stretch_is_measured_for_every_power_of_two_and_the_host(monkeypatch
     assert gathered == [len(ranks)] * len(counts) * len(calibrate.STRETCH_SEGMENTS_S)
 
 
+def test_the_wait_for_the_common_start_ends_at_it():
+    """Never before the instant (a rank that started early would time less than its work), and
+    not a scheduler slice after it on an idle core (a generous 50 ms for a loaded CI host)."""
+    from topomesh.cost import calibrate
+
+    for ahead in (0.0, 0.0001, 0.003, 0.02):
+        at = calibrate._monotonic() + ahead
+        calibrate._wait_until(at)
+        assert 0.0 <= calibrate._monotonic() - at < 0.05
+
+
 def test_a_rank_that_waits_for_a_core_waits_inside_its_time(monkeypatch):
     """Faked clock: a chain of 4 ms; alone the rank starts on time, together with the other it
     gets a core 2 ms after the common start. Timed from that start, the stretch is by hand

@@ -37,7 +37,7 @@ HELP = "Run layouts for real here (gloo on CPU, or one GPU) and compare step tim
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from topomesh.sim.inputs import add_model_arguments, add_training_arguments
-    from topomesh.validate.run import DEFAULT_LAYOUTS
+    from topomesh.validate.run import DEFAULT_LAYOUTS, POOL
 
     add_model_arguments(p)
     add_training_arguments(p, global_batch_default="2 × micro-batch × the least common multiple of the layouts' "
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "not only at their isolated op-table times (default on)")
     p.add_argument("--sweep-each-pass", action=argparse.BooleanOptionalAction, default=True,
                    help="before each pass over the layouts, one more collective sweep, the profile fitted over it "
-                        "and the newest saved ones (8 in all; default on). Off: the saved profile is reused "
+                        f"and the newest saved ones ({POOL} in all; default on). Off: the saved profile is reused "
                         "(calibrated once when there is none)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the layouts run: cpu (gloo processes sharing this host's cores, predicted on the "

@@ -181,8 +181,7 @@ def grad_add_s_per_byte(pricer: Pricer, kept: str = "float32", new: str | None =
     bandwidth) on :func:`grad_add_record`. The dtypes matter on a CPU: 64 MiB added here
     (Xeon, one thread) took 0.048 ns a byte moved in float32, 0.177 in bfloat16 and 0.207
     for float32 += bfloat16 (the kernels convert element by element)."""
-    rec = grad_add_record(kept, new)
-    return pricer.op_s(rec)[0] / rec.bytes_moved
+    return _s_per_byte(pricer, grad_add_record(kept, new))
 
 
 def grad_scale_record(dtype: str = "float32") -> OpRecord:
@@ -205,8 +204,12 @@ def grad_scale_s_per_byte(pricer: Pricer, dtype: str = "float32") -> float:
     under ``pp=2`` (2.0 M bfloat16 gradients in 19 tensors) took 2.1-2.2 ms, 0.27 ns a byte
     moved (0.033 in float32), and a real ``pp=2`` step's first stage spent 1.6-2.1 ms after
     its last backward before the schedule returned."""
-    rec = grad_scale_record(dtype)
-    return pricer.op_s(rec)[0] / rec.bytes_moved
+    return _s_per_byte(pricer, grad_scale_record(dtype))
+
+
+def _s_per_byte(pricer: Pricer, probe: OpRecord) -> float:
+    """Seconds per byte ``probe`` moves, at its price on ``pricer``'s cluster."""
+    return pricer.op_s(probe)[0] / probe.bytes_moved
 
 
 def grad_add_dtypes(trace: Trace) -> tuple[tuple[str, str], tuple[str, str]]:
@@ -233,8 +236,8 @@ def grad_probe_records(trace: Trace) -> list[OpRecord]:
     """The probes pricing ``trace``'s gradient adds (:func:`grad_add_dtypes`) and a pipeline's
     gradient scaling (:func:`grad_scale_record`, in the parameters' dtype) looks up: ops to put
     in the op table with the trace's own (``topomesh validate`` profiles them)."""
-    adds = [grad_add_record(*d) for d in grad_add_dtypes(trace)]
-    return list(dict.fromkeys([*adds, grad_scale_record(grad_add_dtypes(trace)[0][0])]))
+    plain, fsdp = grad_add_dtypes(trace)
+    return list(dict.fromkeys([grad_add_record(*plain), grad_add_record(*fsdp), grad_scale_record(plain[0])]))
 
 
 def is_param_collective(rec: CollectiveRecord) -> bool:

@@ -188,9 +188,8 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     its repeats otherwise than :data:`~topomesh.cost.calibrate.STATISTIC` does (the median,
     before 2026-11-25), it has no compute stretch for ``world`` ranks (before 2026-11-25's
     last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), its stretch and
-    in-step costs were timed with another compute segment
-    (:data:`~topomesh.cost.calibrate.COMPUTE_SEGMENT`: the one before 2026-11-27 ran on
-    subnormals), or its ranks were bound to CPUs (the real runs are not: :func:`_unbound`)."""
+    in-step costs were timed otherwise (:data:`~topomesh.cost.calibrate.COMPUTE_SEGMENT`: until
+    2026-11-27 on subnormals, then each rank of the stretch from its own start), or its ranks were bound to CPUs (the real runs are not: :func:`_unbound`)."""
     from topomesh.cost.calibrate import COMPUTE_SEGMENT, STATISTIC, profile_directory
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
