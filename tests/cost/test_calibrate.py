@@ -85,6 +85,10 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
 
     in_step = prof.meta["collective_in_step_s"]
     assert set(in_step) == {str(g) for g in IN_STEP_GAPS_S} and all(abs(v) < 0.02 for v in in_step.values())
+    # a pipeline schedule's host work per action: positive, well under a millisecond here, more
+    # for the schedules of several stages a rank (0.13-0.15 and 0.21-0.24 ms here)
+    pipe = prof.meta["pipeline_action_s"]
+    assert set(pipe) == {"single", "multi"} and all(0 < v < 0.005 for v in pipe.values())
     # both timed on the chain that stays on normal numbers, the stretch's ranks from a common
     # start, and the profile says so (validate reuses, and calibrate pools, only profiles that do)
     assert prof.meta["compute_segment"] == 3
@@ -327,8 +331,14 @@ def test_pooling_keeps_the_newest_sweeps_rows_in_order_and_averages_their_stretc
     saved, _ = pool_sweeps(saved, {**_sweep_meta("t5", [7.0], 1.2),
                                    "collective_in_step_s": {"0.002": 2e-4, "0.008": 1e-3}}, keep=3)
     assert saved["collective_in_step_s"] == {"0.002": pytest.approx(3e-4), "0.008": 1e-3}  # t3 measured none
+    # and the pipeline actions' host work likewise
+    saved, _ = pool_sweeps(saved, {**_sweep_meta("t5b", [7.5], 1.2), "pipeline_action_s": {"single": 1e-4, "multi": 3e-4}},
+                           keep=3)
+    assert saved["pipeline_action_s"] == {"single": 1e-4, "multi": 3e-4}  # t4, t5 measured none
+    saved, _ = pool_sweeps(saved, {**_sweep_meta("t5c", [7.6], 1.2), "pipeline_action_s": {"single": 2e-4}}, keep=3)
+    assert saved["pipeline_action_s"] == {"single": pytest.approx(1.5e-4), "multi": 3e-4}
     saved, _ = pool_sweeps(saved, _sweep_meta("t6", [8.0], 1.2), keep=1)
-    assert saved.get("collective_in_step_s") is None
+    assert saved.get("collective_in_step_s") is None and saved.get("pipeline_action_s") is None
     # a profile from before pooling (no "sweeps") counts as one sweep
     old = _sweep_meta("t0", [9.0], 1.0)
     got, why = pool_sweeps(old, _sweep_meta("t1", [1.0], 1.4), keep=4)

@@ -278,6 +278,20 @@ def test_local_takes_the_collectives_cost_after_compute_where_it_is_sane(tmp_pat
     assert load_cluster("local", gpus=1).collective_in_step_s == ()  # one rank issues no collective
 
 
+@pytest.mark.parametrize("saved, single, multi", [
+    ({"single": 1.4e-4, "multi": 2.3e-4}, 1.4e-4, 2.3e-4),
+    ({"single": -1e-5, "multi": 0.5}, 0.0, 0.0),  # negative, half a second: not a host cost
+    ({"single": "fast"}, 0.0, 0.0), (1e-4, 0.0, 0.0), (None, 0.0, 0.0),  # not the measured shape
+])
+def test_local_takes_the_pipeline_actions_host_work_where_it_is_sane(tmp_path, monkeypatch, saved, single, multi):
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
+    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
+                   pipeline_action_s=saved)
+    got = load_cluster("local", gpus=2)
+    assert (got.pipeline_action_s, got.pipeline_multi_action_s) == (single, multi)
+
+
 def test_axis_link_sees_a_last_group_that_crosses_hosts():
     # ranks 6, 7 on host 1 and 14, 15 on host 0: with rank-order placement and tp=4 the
     # first tp group [0..3] stays on host 0 but the last one [12..15] spans both hosts.

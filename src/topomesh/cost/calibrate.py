@@ -16,7 +16,9 @@ barriers, interleaved across sizes; a point's time is the slowest rank's mean (:
 link kind (:func:`topomesh.cost.collectives.fit_collective`: alpha-beta or piecewise,
 error on held-out sizes) and writes the profile JSON. On CPU it also records how much the
 compute of ranks sharing a host stretches when they run at once (:func:`measure_compute_stretch`,
-``meta["compute_stretch"]``), which the ``local`` cluster prices compute with.
+``meta["compute_stretch"]``), which the ``local`` cluster prices compute with, what a collective
+costs more after compute (:func:`measure_collective_in_step`) and the host work of a pipeline
+schedule's action (:func:`topomesh.cost.pipeline.measure_pipeline_action`, ``meta["pipeline_action_s"]``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 
 from topomesh.cost.collectives import CollectiveProfile, Sample, fit_collective
 from topomesh.cost.devices import private_cache_dir, write_json_atomic
+from topomesh.cost.pipeline import measure_pipeline_action
 from topomesh.errors import CalibrationError
 from topomesh.topology.model import LinkKind
 from topomesh.trace.graph import CollectiveKind
@@ -522,8 +525,9 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     mean of more repeats is the cure, and repeats spread over separate launches also sample
     what a launch settles once (where its threads run). The pooled meta keeps every sweep's
     rows in ``samples``, in order, and per sweep in ``sweeps`` when it was measured, how many
-    rows it holds, its compute stretch and its :func:`measure_collective_in_step`;
-    ``compute_stretch`` and ``collective_in_step_s`` are the means of the sweeps'.
+    rows it holds, its compute stretch, its :func:`measure_collective_in_step` and its
+    :func:`~topomesh.cost.pipeline.measure_pipeline_action`; ``compute_stretch``,
+    ``collective_in_step_s`` and ``pipeline_action_s`` are the means of the sweeps'.
 
     >>> one = {"measured_at": "t1", "samples": [["all_reduce", "SHM", 2, 8, 1.0]],
     ...        "compute_stretch": {"2": 1.2}, "world_size": 2}
@@ -551,14 +555,15 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     kept = [*kept, this]
     return {**new, "samples": rows, "sweeps": kept,
             "compute_stretch": _mean_per_key([sw.get("compute_stretch") for sw in kept]),
-            "collective_in_step_s": _mean_per_key([sw.get("collective_in_step_s") for sw in kept]) or None}, None
+            "collective_in_step_s": _mean_per_key([sw.get("collective_in_step_s") for sw in kept]) or None,
+            "pipeline_action_s": _mean_per_key([sw.get("pipeline_action_s") for sw in kept]) or None}, None
 
 
 def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
     """What ``meta.sweeps`` keeps of a one-sweep profile's ``meta``."""
     return {"measured_at": meta.get("measured_at"), "points": len(meta["samples"]),
             "compute_stretch": meta.get("compute_stretch") or {}, "sweep_seconds": meta.get("sweep_seconds"),
-            "collective_in_step_s": meta.get("collective_in_step_s")}
+            "collective_in_step_s": meta.get("collective_in_step_s"), "pipeline_action_s": meta.get("pipeline_action_s")}
 
 
 def _mean_per_key(dicts: Sequence[Any]) -> dict[str, float]:
@@ -715,6 +720,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         local = [r for r, h in enumerate(hosts) if h == hosts[0]]
         stretch = measure_compute_stretch(local) if device == "cpu" else {}
         in_step = measure_collective_in_step(local) if device == "cpu" and len(local) >= 2 else None
+        pipe = measure_pipeline_action(local) if device == "cpu" and len(local) >= 2 else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
         rank_cpus: list[Any] = [None] * dist.get_world_size()
@@ -731,6 +737,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
             "compute_segment": COMPUTE_SEGMENT,
             "collective_in_step_s": in_step,
+            "pipeline_action_s": pipe,
             "rank_cpus": rank_cpus,
             "measured_at": time.strftime(MEASURED_AT, time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],

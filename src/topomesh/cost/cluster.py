@@ -153,6 +153,15 @@ class Cluster:
     sweep times it), by compute (:func:`topomesh.cost.calibrate.measure_collective_in_step`);
     priced per collective by :meth:`in_step_extra_s`. Empty: not measured (GPU presets; a
     profile from before it)."""
+    pipeline_action_s: float = 0.0
+    """Measured where ranks compute on CPUs (``local``): host seconds each action of a pipeline
+    schedule of one stage a rank (``1f1b``, ``gpipe``) costs the stage's computing thread beyond
+    its forward, loss and backward ops (:func:`topomesh.cost.pipeline.measure_pipeline_action`;
+    0.13-0.15 ms here). 0: not measured (GPU presets, whose host issues ahead of the kernels; a
+    profile from before it)."""
+    pipeline_multi_action_s: float = 0.0
+    """As :attr:`pipeline_action_s`, for the schedules of several stages a rank (interleaved,
+    zero-bubble, V): 0.21-0.24 ms here."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
@@ -424,6 +433,16 @@ def _in_step_points(raw: Any) -> tuple[tuple[float, float], ...]:
     return tuple(sorted(points))
 
 
+def _action_seconds(raw: Any, kind: str) -> float:
+    """``meta.pipeline_action_s[kind]`` (seconds) where it is a number in [0, 0.1), else 0.
+
+    >>> [_action_seconds(r, "single") for r in ({"single": 1e-4}, {"single": -1e-5}, {"single": True}, None)]
+    [0.0001, 0.0, 0.0, 0.0]
+    """
+    v = raw.get(kind) if isinstance(raw, dict) else None
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 0.1 else 0.0
+
+
 def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> Cluster:
     """This machine: ``gpus`` CPU processes on one host (default: as many as the calibration
     measured), the measured CPU spec, the calibrated gloo profile (:func:`local_profile`).
@@ -433,7 +452,8 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     collectives run on those cores (:attr:`Cluster.collectives_share_compute`), and an op on
     DTensors pays DTensor's dispatch on the computing thread (:attr:`Cluster.dtensor_dispatch_s`),
     a collective DTensor issues its host work there too (:attr:`Cluster.dtensor_collective_s`), and
-    so does FSDP2 per unit and all-gather (:attr:`Cluster.fsdp_reduce_s`, :attr:`Cluster.fsdp_gather_s`)."""
+    so does FSDP2 per unit and all-gather (:attr:`Cluster.fsdp_reduce_s`, :attr:`Cluster.fsdp_gather_s`)
+    and a pipeline schedule per action (:attr:`Cluster.pipeline_action_s`, :attr:`Cluster.pipeline_multi_action_s`)."""
     prof, path = local_profile(directory)
     measured = prof.meta.get("world_size")
     n = gpus if gpus is not None else (measured if isinstance(measured, int) and measured > 0 else 2)
@@ -457,6 +477,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     stretch = prof.meta.get("compute_stretch")
     stretch = stretch.get(str(n)) if isinstance(stretch, dict) and n > 1 else None
     in_step = _in_step_points(prof.meta.get("collective_in_step_s"))
+    pipe = prof.meta.get("pipeline_action_s")
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
                    collectives_share_compute=True, dtensor_dispatch_s=dtensor_dispatch_s(directory=directory),
@@ -465,7 +486,9 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
                    backward_split=split_shares(directory=directory),
                    compute_stretch=float(stretch) if isinstance(stretch, int | float) and 1 <= stretch <= 1e3 else None,
-                   collective_in_step_s=in_step if n > 1 else ())
+                   collective_in_step_s=in_step if n > 1 else (),
+                   pipeline_action_s=_action_seconds(pipe, "single"),
+                   pipeline_multi_action_s=_action_seconds(pipe, "multi"))
 
 
 # ------------------------------------------------------------------ topology files

@@ -367,14 +367,15 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             stage_rank[s] = r
     # the plans of this trace and stage split, with their collectives as slots (link-free)
     scaled = pp > 1 and micro > 1  # the schedule divides the gradients by the micro-batch count
-    tpl_key = (id(digest), tuple(layers), pp > 1, scaled)
+    action_s = action_host_s(cluster, schedule) if pp > 1 else 0.0
+    tpl_key = (id(digest), tuple(layers), pp > 1, scaled, action_s)
     from topomesh.sim import kernel  # numba: imported when a step is first simulated
 
     hit = memo.templates.get(tpl_key)
     if hit is None:
         sym = SymbolicPricer(cluster, table or {}, memo.ops)
         sym_priced = price_digest(digest, sym)
-        sym_plans = [_stage_plan(sym_priced, s, stages, n, pipelined=pp > 1, scaled=scaled)
+        sym_plans = [_stage_plan(sym_priced, s, stages, n, pipelined=pp > 1, scaled=scaled, action_s=action_s)
                      for s, n in enumerate(layers)]
         hit = memo.templates[tpl_key] = (digest, kernel.template(sym_plans, sym.records,
                                                                  (sym_priced, sym_plans, tuple(sym.gaps))))
@@ -395,7 +396,8 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             priced = memo.priced[signature] = (digest, price_digest(digest, Pricer(cluster, link_of, table or {},
                                                                                    memo.ops)))
         priced = priced[1]
-        plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1, scaled=scaled) for s, n in enumerate(layers)]
+        plans = [_stage_plan(priced, s, stages, n, pipelined=pp > 1, scaled=scaled, action_s=action_s)
+                 for s, n in enumerate(layers)]
         actions = action_order(schedule, pp=pp, microbatches=micro, interleave=interleave)
         if shared:
             from topomesh.sim.shared import shared_pipeline
@@ -429,8 +431,17 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
                    links, schedule, interleave)
 
 
+def action_host_s(cluster: Cluster, schedule: Schedule) -> float:
+    """Host seconds each action of ``schedule`` costs a pipeline stage's computing thread on
+    ``cluster`` beyond its ops (:attr:`Cluster.pipeline_action_s`, or
+    :attr:`Cluster.pipeline_multi_action_s` for a schedule of several stages a rank), stretched
+    as the rank's compute is (:attr:`Cluster.compute_share`); 0 where not measured (GPUs)."""
+    per = cluster.pipeline_multi_action_s if schedule.multi_stage else cluster.pipeline_action_s
+    return per * cluster.compute_share
+
+
 def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool = False,
-                scaled: bool = False) -> StagePlan:
+                scaled: bool = False, action_s: float = 0.0) -> StagePlan:
     """The pieces of global stage ``s`` (``n`` blocks). Under a pipeline, PyTorch's stage runs
     FSDP without resharding after backward and without gradient sync until the last backward
     (``PipelineStage.backward_maybe_with_nosync``), and FSDP keeps its parameters after
@@ -446,7 +457,9 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
     ends the step, and the first waits for the next stage anyway.
 
     ``scaled`` (a pipeline of more than one micro-batch): the stage's optimizer starts with the
-    schedule's scaling of its gradients (:func:`_scaling`)."""
+    schedule's scaling of its gradients (:func:`_scaling`). ``action_s`` (under a pipeline):
+    every action of the stage (F, B, I, W) also runs the schedule's own host work, a
+    ``pipeline action`` piece of that many seconds (:func:`action_host_s`)."""
     plan = _pieces(p, s, stages, n)
     if scaled:
         plan = dataclasses.replace(plan, optimizer=_scaling(p, plan.optimizer))
@@ -464,13 +477,15 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
     backward = strip(plan.backward, "gather")
     quiet = strip(backward, "reduce")
     quiet_w = strip(plan.backward_weight, "reduce")
-    return dataclasses.replace(
-        plan, backward=backward, backward_input=strip(plan.backward_input, "gather"),
-        forward_later=strip(plan.forward, "gather"),
-        backward_first=quiet, backward_early=_accumulating(p, quiet, pipelined=True),
-        backward_last=_accumulating(p, backward, pipelined=True),
-        backward_weight_first=quiet_w, backward_weight_early=_accumulating(p, quiet_w, pipelined=True),
-        backward_weight_last=_accumulating(p, plan.backward_weight, pipelined=True))
+    host = (Piece(work=Work(compute_s=action_s), count=1, label="pipeline action"),) if action_s else ()
+    return StagePlan(
+        forward=plan.forward + host, backward=backward + host, backward_input=strip(plan.backward_input, "gather") + host,
+        backward_weight=plan.backward_weight + host, optimizer=plan.optimizer,
+        forward_later=strip(plan.forward, "gather") + host,
+        backward_first=quiet + host, backward_early=_accumulating(p, quiet, pipelined=True) + host,
+        backward_last=_accumulating(p, backward, pipelined=True) + host,
+        backward_weight_first=quiet_w + host, backward_weight_early=_accumulating(p, quiet_w, pipelined=True) + host,
+        backward_weight_last=_accumulating(p, plan.backward_weight, pipelined=True) + host)
 
 
 def _scaling(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:

@@ -1,0 +1,150 @@
+"""Host work a PyTorch pipeline schedule does per action, beyond its stage's own forward and backward.
+
+``torch.distributed.pipelining`` runs every action of a schedule in Python on the stage's
+computing thread: a forward finds its received activations and makes them leaves
+(``_retrieve_recv_activations``), checks the outputs' shapes, keeps them for the backward,
+builds its send operations and posts them (``batch_isend_irecv``), then waits for the
+receives of the next action; a backward does the same for gradients around
+``stage_backward``. The multi-stage schedules (interleaved, zero-bubble, V) read an action
+list and keep more books per action. On a GPU that host work issues ahead of the kernels; on
+a CPU the host thread is the computing thread, so every action pays it on top of its ops.
+
+:func:`measure_pipeline_action` times it on two gloo ranks of one host: stages of one
+``Linear(16, 16)`` each (their ops cost next to nothing), run by ``Schedule1F1B`` (one stage a
+rank) and by ``ScheduleInterleaved1F1B`` (two stages a rank), on the thread's CPU clock
+(waiting for a peer costs none). Each schedule steps at two micro-batch counts
+(:data:`MICROBATCHES`); the same stage modules' forward, loss and backward run for as many
+micro-batches without the schedule, and what the schedule costs more per extra action is the
+slope: ``((step_hi - plain_hi) - (step_lo - plain_lo)) / (actions_hi - actions_lo)``, so what
+a step costs once (splitting the batch, the gradient scaling, merging the losses) cancels.
+The mean of the two ranks (the last one computes the loss, the first receives nothing).
+
+Measured here (2-vCPU Xeon, one torch thread, torch 2.13; 2, 4, 8 and 16 micro-batches,
+2026-11-27): ``Schedule1F1B`` 0.13 ms an action on the first rank and 0.15 on the last
+(``ScheduleGPipe`` 0.14 / 0.17), ``ScheduleInterleaved1F1B`` 0.23 / 0.23 and
+``ScheduleInterleavedZeroBubble`` (F, I and W actions) 0.20 / 0.24; a step's fixed part was
+about 0.15 ms. In a real ``pp=2`` ``interleaved-zb`` step of ``benchmarks/validate_llama.json``
+at 64 tokens the stepping thread's CPU exceeded its stage's forward and backward calls by
+about 0.3 ms an action (6.5 ms over 20 actions): the whole of it is not the schedule's, but
+none of it was priced, and those steps were predicted 15-17 % short.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+MICROBATCHES = (2, 10)
+"""The two micro-batch counts each schedule steps at; the cost per action is the slope between them."""
+WIDTH = 16
+"""Features of each stage's ``Linear``: its forward and backward take microseconds."""
+ROWS = 2
+"""Rows of a micro-batch."""
+REPEATS = 20
+"""Timed steps per schedule and count, after :data:`WARMUP`."""
+WARMUP = 3
+"""Steps discarded first (the stages' first step exchanges shapes with the peer)."""
+KINDS = ("single", "multi")
+"""``single``: a schedule of one stage a rank (``Schedule1F1B``); ``multi``: of several
+(``ScheduleInterleaved1F1B`` with two)."""
+
+
+def _loss(out: Any, target: Any) -> Any:
+    return (out.float() - target).pow(2).mean()
+
+
+def _mean_thread_s(fn: Callable[[], None], *, repeats: int = REPEATS, warmup: int = WARMUP,
+                   before: Callable[[], None] | None = None) -> float:
+    """Mean thread CPU seconds of ``fn()`` over ``repeats`` calls after ``warmup``; ``before()``
+    runs ahead of each call, untimed (a barrier, so the ranks step together)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        c0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - c0)
+    return statistics.fmean(times)
+
+
+def _one_schedule(kind: str, micro: int, pg: Any, me: int) -> tuple[float, float, int]:
+    """(step CPU seconds, the same modules' plain CPU seconds, actions a step) of this rank
+    (group rank ``me`` of the two in ``pg``) for schedule ``kind`` at ``micro`` micro-batches."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    per = 1 if kind == "single" else 2
+    n_stages = 2 * per
+    mine = [me + 2 * k for k in range(per)]  # loop order: stage s on rank s % 2
+    stages = []
+    for s in mine:
+        torch.manual_seed(s)
+        stages.append(PipelineStage(nn.Sequential(nn.Linear(WIDTH, WIDTH)), s, n_stages, torch.device("cpu"),
+                                    group=pg))
+    schedule = (Schedule1F1B(stages[0], n_microbatches=micro, loss_fn=_loss) if per == 1
+                else ScheduleInterleaved1F1B(stages, n_microbatches=micro, loss_fn=_loss))
+    x, target = torch.rand(micro * ROWS, WIDTH), torch.rand(micro * ROWS, WIDTH)
+
+    def step() -> None:
+        if me == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=target)
+
+    stepped = _mean_thread_s(step, before=lambda: dist.barrier(group=pg))
+
+    def plain() -> None:
+        for st in stages:
+            last = st.stage_index == n_stages - 1
+            for xs, ts in zip(x.tensor_split(micro), target.tensor_split(micro), strict=True):
+                out = st.submod(xs.detach().requires_grad_())
+                if last:
+                    _loss(out, ts).backward()
+                else:
+                    out.backward(torch.ones_like(out))
+
+    return stepped, _mean_thread_s(plain), 2 * per * micro
+
+
+def per_action(lo: tuple[float, float, int], hi: tuple[float, float, int]) -> float:
+    """What a schedule costs more per extra action between two counts, each (step seconds,
+    the same work's plain seconds, actions a step): the step's fixed part and the stage's own
+    work cancel.
+
+    >>> # 4 actions: step 1.0 ms, plain 0.2; 20 actions: step 3.8 ms, plain 1.0 -> (2.8 - 0.8) / 16
+    >>> round(per_action((1.0e-3, 0.2e-3, 4), (3.8e-3, 1.0e-3, 20)) * 1e6, 3)
+    125.0
+    """
+    (s_lo, p_lo, a_lo), (s_hi, p_hi, a_hi) = lo, hi
+    return ((s_hi - p_hi) - (s_lo - p_lo)) / (a_hi - a_lo)
+
+
+def measure_pipeline_action(ranks: Sequence[int]) -> dict[str, float] | None:
+    """Host seconds a pipeline schedule's action costs its stage's thread beyond the stage's
+    own forward, loss and backward, per :data:`KINDS` (see the module docstring), on the first
+    two of ``ranks`` (one host's; call on every rank of the world). Returns
+    ``{"single": s, "multi": s}`` on ``ranks[0]``, None on the others."""
+    import torch
+    import torch.distributed as dist
+
+    from topomesh.layout import groups as tm_groups
+
+    me, team = dist.get_rank(), tuple(ranks[:2])
+    pg = tm_groups.new_group(team)
+    out: dict[str, float] = {}
+    if me in team:
+        lo, hi = MICROBATCHES
+        mine = torch.zeros(len(KINDS), dtype=torch.float64)
+        for i, kind in enumerate(KINDS):
+            mine[i] = per_action(_one_schedule(kind, lo, pg, team.index(me)),
+                                 _one_schedule(kind, hi, pg, team.index(me)))
+        dist.all_reduce(mine, group=pg)
+        out = {kind: float(mine[i]) / 2 for i, kind in enumerate(KINDS)}
+    dist.barrier()
+    return out if me == team[0] else None
