@@ -257,6 +257,9 @@ def test_local_takes_the_compute_stretch_measured_for_its_rank_count(tmp_path, m
     two, three, four, eight = (load_cluster("local", gpus=n) for n in (2, 3, 4, 8))
     # the measured stretch, never below the share of cores (two ranks of this test's threads)
     assert (two.compute_stretch, two.compute_share) == (1.07, max(1.07, two.core_share))
+    # every measured count kept for a pipeline stage's ranks; the bad entries dropped
+    assert two.compute_stretches == eight.compute_stretches == ((2, 1.07),)
+    assert eight.lock_step_stretch(2) == max(1.07, eight.cores_share_at(2))
     cores = two.cores
     for c in (three, four, eight):  # not measured, not a number, below 1: the share of cores
         assert c.compute_stretch is None

@@ -60,6 +60,24 @@ def test_ranks_that_never_overlap_each_run_alone(stretch):
     assert run.ranks[0].exposed["tp"] == pytest.approx(0.5, rel=1e-3)
 
 
+def test_a_stages_own_ranks_keep_their_lock_step_stretch():
+    # four ranks on two cores, two a stage (tensor parallel): measured stretches 1.2 for two
+    # ranks and 2.5 for all four, so lock-step prices compute at 2.5 (F 1 s alone -> 2.5, B 2 s
+    # -> 5). One micro-batch: F0, F1, B1, B0 one after the other, each with its stage's two ranks
+    # alone on the two cores, who still meet at every collective: 1.2 each, not 1.0:
+    # 1.2 + 1.2 + 2.4 + 2.4 = 7.2 s (6.0 as plain processor sharing).
+    cluster = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1, compute_stretch=2.5,
+                                  compute_stretches=((2, 1.2), (4, 2.5)))
+    assert cluster.compute_share == 2.5
+    plans = [plan(2.5, 5.0), plan(2.5, 5.0)]
+    actions = [[Action(0, Kind.F, 0), Action(0, Kind.B, 0)], [Action(1, Kind.F, 0), Action(1, Kind.B, 0)]]
+    run = shared_pipeline(plans, actions, [0, 1], 0.0, cluster, ranks_per_stage=2)
+    assert run.step_time_s == pytest.approx(7.2, rel=1e-3)
+    unmeasured = dataclasses.replace(cluster, compute_stretches=())  # lock-step stretch unknown: the share of cores
+    assert shared_pipeline(plans, actions, [0, 1], 0.0, unmeasured, ranks_per_stage=2).step_time_s == pytest.approx(
+        6.0, rel=1e-3)
+
+
 def test_ranks_that_overlap_share_the_core():
     # F only (1 s alone, 2 s lock-step), two micro-batches. F(0,0) runs alone: 1 s. Then
     # F(0,1) and F(1,0) run together from 1 s, both at share 2: to 3 s. F(1,1) alone: to 4 s.

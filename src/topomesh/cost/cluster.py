@@ -147,6 +147,10 @@ class Cluster:
     misses, ranks reaching a collective at different times, and on more ranks than cores their
     taking turns; where set it prices compute and host work instead of :attr:`core_share`
     (:attr:`compute_share`). None: not measured (GPU presets; a profile from before it)."""
+    compute_stretches: tuple[tuple[int, float], ...] = ()
+    """Every ``(rank count, stretch)`` the calibration measured on the node (:attr:`compute_stretch`
+    is the one of all its ranks): what :meth:`lock_step_stretch` reads for a pipeline stage's
+    ranks. Empty: not measured."""
     collective_in_step_s: tuple[tuple[float, float], ...] = ()
     """Measured where collectives run on the computing cores (``local``): (seconds of compute
     before a collective, how much longer it then takes than back to back, as the calibration
@@ -230,6 +234,23 @@ class Cluster:
         if self.cores is None:
             return 1.0
         return max(1.0, ranks * self.threads_per_rank / self.cores)
+
+    def lock_step_stretch(self, ranks: int) -> float:
+        """How many times longer ``ranks`` ranks of the node take for compute they run in lock-step
+        (meeting at collectives), on cores no one else uses, than one alone: the measured
+        stretch of that many ranks (:attr:`compute_stretches`), never below their core share
+        (:meth:`cores_share_at`); 1 for one rank.
+
+        >>> import dataclasses
+        >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1,
+        ...                         compute_stretches=((2, 1.12), (4, 1.9)))
+        >>> c.lock_step_stretch(1), c.lock_step_stretch(2), c.lock_step_stretch(4), c.lock_step_stretch(3)
+        (1.0, 1.12, 2.0, 1.5)
+        """
+        if ranks <= 1:
+            return 1.0
+        measured = dict(self.compute_stretches).get(ranks, 0.0)
+        return max(measured, self.cores_share_at(ranks))
 
     def in_step_extra_s(self, gap_s: float) -> float:
         """What a collective costs more after ``gap_s`` seconds of compute than back to back:
@@ -433,6 +454,21 @@ def _in_step_points(raw: Any) -> tuple[tuple[float, float], ...]:
     return tuple(sorted(points))
 
 
+def _stretches(raw: Any) -> tuple[tuple[int, float], ...]:
+    """``meta.compute_stretch`` (``{"ranks": stretch}``) as sorted pairs; an entry that is not
+    a rank count of 2 or more with a stretch in [1, 1000] is dropped.
+
+    >>> _stretches({"4": 2.1, "2": 1.07, "8": "fast", "3": 0.2, "x": 1.5, "1": 1.0})
+    ((2, 1.07), (4, 2.1))
+    """
+    out = []
+    for key, v in (raw.items() if isinstance(raw, dict) else ()):
+        n = int(key) if isinstance(key, str) and key.isdigit() else 0
+        if n >= 2 and isinstance(v, int | float) and not isinstance(v, bool) and 1 <= v <= 1e3:
+            out.append((n, float(v)))
+    return tuple(sorted(out))
+
+
 def _action_seconds(raw: Any, kind: str) -> float:
     """``meta.pipeline_action_s[kind]`` (seconds) where it is a number in [0, 0.1), else 0.
 
@@ -474,8 +510,8 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     cores = len(allowed_cpus())
     fsdp_reduce, fsdp_gather = fsdp_host_s(directory=directory)
     tp_block, tp_rest = tp_host_s(directory=directory)
-    stretch = prof.meta.get("compute_stretch")
-    stretch = stretch.get(str(n)) if isinstance(stretch, dict) and n > 1 else None
+    stretches = _stretches(prof.meta.get("compute_stretch"))
+    stretch = dict(stretches).get(n) if n > 1 else None
     in_step = _in_step_points(prof.meta.get("collective_in_step_s"))
     pipe = prof.meta.get("pipeline_action_s")
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
@@ -485,7 +521,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    dtensor_block_dispatch_s=tp_block, dtensor_rest_dispatch_s=tp_rest,
                    fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
                    backward_split=split_shares(directory=directory),
-                   compute_stretch=float(stretch) if isinstance(stretch, int | float) and 1 <= stretch <= 1e3 else None,
+                   compute_stretch=stretch, compute_stretches=stretches,
                    collective_in_step_s=in_step if n > 1 else (),
                    pipeline_action_s=_action_seconds(pipe, "single"),
                    pipeline_multi_action_s=_action_seconds(pipe, "multi"))
