@@ -161,11 +161,11 @@ class Cluster:
     """Measured where ranks compute on CPUs (``local``): host seconds each action of a pipeline
     schedule of one stage a rank (``1f1b``, ``gpipe``) costs the stage's computing thread beyond
     its forward, loss and backward ops (:func:`topomesh.cost.pipeline.measure_pipeline_action`;
-    0.13-0.15 ms here). 0: not measured (GPU presets, whose host issues ahead of the kernels; a
-    profile from before it)."""
+    0.12-0.15 ms here in nine sweeps). 0: not measured (GPU presets, whose host issues ahead of
+    the kernels; a profile from before it)."""
     pipeline_multi_action_s: float = 0.0
     """As :attr:`pipeline_action_s`, for the schedules of several stages a rank (interleaved,
-    zero-bubble, V): 0.21-0.24 ms here."""
+    zero-bubble, V): 0.17-0.21 ms here."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
