@@ -99,3 +99,13 @@ def test_schedules_of_one_stage_split_do_not_share_their_action_cost():
     warm.simulate(Layout(pp=2), gpipe)
     alone = Simulator(model=model, cluster=paying).simulate(Layout(pp=2), zb).step_time_s
     assert warm.simulate(Layout(pp=2), zb).step_time_s == pytest.approx(alone, rel=1e-12)
+
+
+def test_the_measurement_counts_the_actions_of_a_step():
+    # 1F1B on two ranks: an F and a B per micro-batch on each rank; interleaved 1F1B with two
+    # stages a rank: two of each per micro-batch (by hand, the MICROBATCHES the calibration steps at)
+    from topomesh.cost.pipeline import actions_a_step
+
+    for me in (0, 1):
+        assert [actions_a_step("single", m, me) for m in (2, 10)] == [4, 20]
+        assert [actions_a_step("multi", m, me) for m in (2, 10)] == [8, 40]

@@ -719,8 +719,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         # ranks sharing a host's cores (CPU): how much their concurrent compute stretches
         local = [r for r, h in enumerate(hosts) if h == hosts[0]]
         stretch = measure_compute_stretch(local) if device == "cpu" else {}
-        in_step = measure_collective_in_step(local) if device == "cpu" and len(local) >= 2 else None
-        pipe = measure_pipeline_action(local) if device == "cpu" and len(local) >= 2 else None
+        pair = device == "cpu" and len(local) >= 2  # two ranks of one host computing on its cores
+        in_step = measure_collective_in_step(local) if pair else None
+        pipe = measure_pipeline_action(local) if pair else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
         rank_cpus: list[Any] = [None] * dist.get_world_size()

@@ -109,7 +109,19 @@ def _one_schedule(kind: str, micro: int, pg: Any, me: int) -> tuple[float, float
                 else:
                     out.backward(torch.ones_like(out))
 
-    return stepped, _mean_thread_s(plain), 2 * per * micro
+    return stepped, _mean_thread_s(plain), actions_a_step(kind, micro, me)
+
+
+def actions_a_step(kind: str, micro: int, me: int) -> int:
+    """Compute actions (F and B) rank ``me`` of the two runs in one step of the :data:`KINDS`
+    schedule at ``micro`` micro-batches, in the order the simulator takes from PyTorch's own
+    schedule (:func:`~topomesh.sim.schedules.action_order`), so the per-action figure is per
+    action as the simulator charges it."""
+    from topomesh.sim.schedules import Schedule, action_order
+
+    if kind == "single":
+        return len(action_order(Schedule.ONE_F_ONE_B, pp=2, microbatches=micro)[me])
+    return len(action_order(Schedule.INTERLEAVED_1F1B, pp=2, microbatches=micro, interleave=2)[me])
 
 
 def per_action(lo: tuple[float, float, int], hi: tuple[float, float, int]) -> float:

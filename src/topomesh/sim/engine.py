@@ -259,6 +259,13 @@ class StagePlan:
     backward_weight_early: tuple[Piece, ...] | None = None
     backward_weight_last: tuple[Piece, ...] | None = None
 
+    def with_each_action(self, extra: tuple[Piece, ...]) -> StagePlan:
+        """This plan with ``extra`` run at the end of every action (every piece list but the
+        optimizer's; a variant that falls back to its plain list keeps falling back)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name) + extra
+                                            for f in dataclasses.fields(self)
+                                            if f.name != "optimizer" and getattr(self, f.name) is not None})
+
     def pieces(self, kind: Kind, first: bool, last: bool) -> tuple[Piece, ...]:
         """The pieces of an action of ``kind``; ``first``/``last``: whether it is the stage's
         first/last action of that kind (by micro-batch order of the schedule)."""

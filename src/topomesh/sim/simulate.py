@@ -477,15 +477,16 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
     backward = strip(plan.backward, "gather")
     quiet = strip(backward, "reduce")
     quiet_w = strip(plan.backward_weight, "reduce")
-    host = (Piece(work=Work(compute_s=action_s), count=1, label="pipeline action"),) if action_s else ()
-    return StagePlan(
-        forward=plan.forward + host, backward=backward + host, backward_input=strip(plan.backward_input, "gather") + host,
-        backward_weight=plan.backward_weight + host, optimizer=plan.optimizer,
-        forward_later=strip(plan.forward, "gather") + host,
-        backward_first=quiet + host, backward_early=_accumulating(p, quiet, pipelined=True) + host,
-        backward_last=_accumulating(p, backward, pipelined=True) + host,
-        backward_weight_first=quiet_w + host, backward_weight_early=_accumulating(p, quiet_w, pipelined=True) + host,
-        backward_weight_last=_accumulating(p, plan.backward_weight, pipelined=True) + host)
+    plan = dataclasses.replace(
+        plan, backward=backward, backward_input=strip(plan.backward_input, "gather"),
+        forward_later=strip(plan.forward, "gather"),
+        backward_first=quiet, backward_early=_accumulating(p, quiet, pipelined=True),
+        backward_last=_accumulating(p, backward, pipelined=True),
+        backward_weight_first=quiet_w, backward_weight_early=_accumulating(p, quiet_w, pipelined=True),
+        backward_weight_last=_accumulating(p, plan.backward_weight, pipelined=True))
+    if not action_s:
+        return plan
+    return plan.with_each_action((Piece(work=Work(compute_s=action_s), count=1, label="pipeline action"),))
 
 
 def _scaling(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
