@@ -85,13 +85,14 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
 
     in_step = prof.meta["collective_in_step_s"]
     assert set(in_step) == {str(g) for g in IN_STEP_GAPS_S} and all(abs(v) < 0.02 for v in in_step.values())
+    assert prof.meta["collective_in_step_node_s"] is None  # two ranks: the node's group is the pair
     # a pipeline schedule's host work per action: positive, well under a millisecond here, more
     # for the schedules of several stages a rank (0.12-0.15 and 0.17-0.21 ms here)
     pipe = prof.meta["pipeline_action_s"]
     assert set(pipe) == {"single", "multi"} and all(0 < v < 0.005 for v in pipe.values())
     # both timed on the chain that stays on normal numbers, the stretch's ranks from a common
     # start, and the profile says so (validate reuses, and calibrate pools, only profiles that do)
-    assert prof.meta["compute_segment"] == 3
+    assert prof.meta["compute_segment"] == 4
 
 
 @pytest.mark.slow
@@ -247,11 +248,10 @@ def test_a_rank_that_waits_for_a_core_waits_inside_its_time(monkeypatch):
 
 
 @pytest.mark.parametrize("me", [0, 1, 2])
-def test_a_collective_after_compute_costs_the_loop_less_the_compute_and_the_collective(monkeypatch, me):
-    """Faked clocks: the collective takes 1.0 ms between barriers; a repeat of [collective, chain
-    of g] takes 2.4 ms more than the chain alone after 0.5 ms of compute and 1.0 + g / 4 ms more
-    after the others: by hand 2.4 - 1.0 = 1.4 ms, then g / 4, at every point; rank 2 is not in
-    the measured pair and gets None."""
+def test_a_collective_after_compute_costs_its_time_from_the_last_arrival_less_between_barriers(monkeypatch, me):
+    """Faked stamps: between barriers the collective runs 1.0 ms after the last arrival; in the
+    loop after 0.5 ms of compute 2.4 ms, after the others 1.0 + g / 4 ms: by hand 2.4 - 1.0 =
+    1.4 ms, then g / 4, at every point; rank 2 is not in the measured pair and gets None."""
     import torch.distributed as dist
 
     from topomesh.cost import calibrate
@@ -264,20 +264,60 @@ def test_a_collective_after_compute_costs_the_loop_less_the_compute_and_the_coll
     monkeypatch.setattr(calibrate, "_matmul_chain", lambda: lambda k: None)
     monkeypatch.setattr(calibrate, "_buffers", lambda kind, nbytes, n, device: (None, None))
     monkeypatch.setattr(calibrate, "_op", lambda kind, inp, out, pg, ranks, me: lambda: None)
-    monkeypatch.setattr(calibrate, "_time_once", lambda fn, group, device: 1.0e-3)
 
-    def loop_s(fn, chain, k, repeats, pg):  # noqa: ANN001, ANN202 - k chains of 0.1 ms: g = k x 0.1 ms
+    def stamped_s(fn, chain, k, repeats, pg):  # noqa: ANN001, ANN202 - k chains of 0.1 ms: g = k x 0.1 ms
+        if chain is None:
+            return 1.0e-3
         gap = k * 1e-4
-        alone = 7e-3  # whatever the chain alone takes: it is taken off
-        more = 2.4e-3 if abs(gap - 5e-4) < 1e-9 else 1e-3 + gap / 4
-        return alone if fn is None else alone + more
+        return 2.4e-3 if abs(gap - 5e-4) < 1e-9 else 1e-3 + gap / 4
 
-    monkeypatch.setattr(calibrate, "_loop_s", loop_s)
+    monkeypatch.setattr(calibrate, "_stamped_s", stamped_s)
     got = calibrate.measure_collective_in_step([0, 1, 2])
     if me:
         assert got is None
         return
     assert got == {"0.0005": pytest.approx(1.4e-3), "0.002": pytest.approx(0.5e-3), "0.008": pytest.approx(2e-3)}
+
+
+@pytest.mark.parametrize("me", [0, 3, 4])
+def test_a_whole_nodes_collective_after_compute_is_timed_on_all_its_ranks(monkeypatch, me):
+    """``count=4`` of five ranks: ranks 0-3 time it (a group of four, buffers for four), rank 4
+    is not in it; the figures as for two (2.4 - 1.0 ms, then g / 4)."""
+    import torch.distributed as dist
+
+    from topomesh.cost import calibrate
+    from topomesh.layout import groups as tm_groups
+
+    groups, sizes = [], []
+    monkeypatch.setattr(dist, "get_rank", lambda: me)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: t.fill_(1e-4) if t.numel() else None)
+    monkeypatch.setattr(tm_groups, "new_group", lambda ranks: groups.append(tuple(ranks)))
+    monkeypatch.setattr(calibrate, "_matmul_chain", lambda: lambda k: None)
+    monkeypatch.setattr(calibrate, "_buffers", lambda kind, nbytes, n, device: sizes.append(n) or (None, None))
+    monkeypatch.setattr(calibrate, "_op", lambda kind, inp, out, pg, ranks, me: lambda: None)
+    monkeypatch.setattr(calibrate, "_stamped_s", lambda fn, chain, k, repeats, pg: 1.0e-3 if chain is None else
+                        (2.4e-3 if abs(k * 1e-4 - 5e-4) < 1e-9 else 1e-3 + k * 1e-4 / 4))
+    got = calibrate.measure_collective_in_step([0, 1, 2, 3, 4], count=4)
+    assert groups == [(0, 1, 2, 3)]
+    if me == 4:
+        assert got is None and sizes == []
+        return
+    assert sizes == [4] * len(calibrate.IN_STEP_POINTS)
+    if me:
+        assert got is None
+        return
+    assert got == {"0.0005": pytest.approx(1.4e-3), "0.002": pytest.approx(0.5e-3), "0.008": pytest.approx(2e-3)}
+
+
+def test_the_first_ranks_wait_is_not_in_the_time_after_the_last_arrival():
+    from topomesh.cost.calibrate import after_last_arrival
+
+    # repeat 0: rank 0 arrives at 0, rank 1 at 4 (rank 0 waits 4); both end at 5: 1 after the
+    # last arrival. Repeat 1: both arrive at 10, end at 12 and 14: (2 + 4) / 2 = 3. Mean 2.
+    assert after_last_arrival([[0.0, 10.0], [4.0, 10.0]], [[5.0, 12.0], [5.0, 14.0]]) == pytest.approx(2.0)
+    # one rank: its own call
+    assert after_last_arrival([[1.0, 2.0]], [[1.5, 3.0]]) == pytest.approx(0.75)
 
 
 @pytest.mark.timeout(30)
@@ -331,6 +371,11 @@ def test_pooling_keeps_the_newest_sweeps_rows_in_order_and_averages_their_stretc
     saved, _ = pool_sweeps(saved, {**_sweep_meta("t5", [7.0], 1.2),
                                    "collective_in_step_s": {"0.002": 2e-4, "0.008": 1e-3}}, keep=3)
     assert saved["collective_in_step_s"] == {"0.002": pytest.approx(3e-4), "0.008": 1e-3}  # t3 measured none
+    # and a whole node's (four ranks) likewise, on its own
+    saved, _ = pool_sweeps(saved, {**_sweep_meta("t5a", [7.2], 1.2), "collective_in_step_node_s": {"0.002": 3e-3}},
+                           keep=3)
+    assert saved["collective_in_step_node_s"] == {"0.002": 3e-3}
+    assert saved["collective_in_step_s"] == {"0.002": pytest.approx(3e-4), "0.008": 1e-3}  # t4 and t5 still
     # and the pipeline actions' host work likewise
     saved, _ = pool_sweeps(saved, {**_sweep_meta("t5b", [7.5], 1.2), "pipeline_action_s": {"single": 1e-4, "multi": 3e-4}},
                            keep=3)
@@ -339,6 +384,7 @@ def test_pooling_keeps_the_newest_sweeps_rows_in_order_and_averages_their_stretc
     assert saved["pipeline_action_s"] == {"single": pytest.approx(1.5e-4), "multi": 3e-4}
     saved, _ = pool_sweeps(saved, _sweep_meta("t6", [8.0], 1.2), keep=1)
     assert saved.get("collective_in_step_s") is None and saved.get("pipeline_action_s") is None
+    assert saved.get("collective_in_step_node_s") is None
     # a profile from before pooling (no "sweeps") counts as one sweep
     old = _sweep_meta("t0", [9.0], 1.0)
     got, why = pool_sweeps(old, _sweep_meta("t1", [1.0], 1.4), keep=4)

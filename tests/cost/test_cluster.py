@@ -281,6 +281,20 @@ def test_local_takes_the_collectives_cost_after_compute_where_it_is_sane(tmp_pat
     assert load_cluster("local", gpus=1).collective_in_step_s == ()  # one rank issues no collective
 
 
+def test_local_takes_a_whole_nodes_collectives_cost_only_for_as_many_ranks_as_measured(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
+    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(), world_size=4,
+                   collective_in_step_s={"0.008": 1e-3}, collective_in_step_node_s={"0.008": 4e-3, "x": 1.0})
+    four, two, eight = (load_cluster("local", gpus=n) for n in (4, 2, 8))
+    assert four.collective_in_step_node_s == ((0.008, 4e-3),)
+    assert two.collective_in_step_node_s == eight.collective_in_step_node_s == ()  # measured on four
+    assert two.collective_in_step_s == four.collective_in_step_s == ((0.008, 1e-3),)
+    # a group of all four pays the four's; a pair of the four the pair's
+    assert (four.in_step_extra_s(0.008, 4), four.in_step_extra_s(0.008, 2)) == (4e-3, 1e-3)
+    assert eight.in_step_extra_s(0.008, 8) == 1e-3
+
+
 @pytest.mark.parametrize("saved, single, multi", [
     ({"single": 1.4e-4, "multi": 2.3e-4}, 1.4e-4, 2.3e-4),
     ({"single": -1e-5, "multi": 0.5}, 0.0, 0.0),  # negative, half a second: not a host cost

@@ -467,3 +467,25 @@ def test_the_backward_split_is_measured_on_pytorchs_own_halves():
 
     i_share, w_share = measure_split_shares(hidden=64, seq_len=64, repeats=5)
     assert 0.4 < i_share < 2.0 and 0.02 < w_share < 1.0 and i_share > w_share
+
+
+def test_a_whole_nodes_group_keeps_its_calibrated_time_and_pays_the_nodes_cost_after_compute():
+    """Four ranks on two cores (core share 2), two measured to stretch 1.25 at once and four
+    2.5. The sweep ran a pair alone on the two cores, so a pair's collective takes 2 / 1 = 2
+    times its fitted time beside the other pair; it ran all four at once, so theirs takes 1
+    time it. After 5 ms of priced compute each pays its own measured cost, its gap read as the
+    ranks it was measured on ran it: a pair's at 5 / 1.25 = 4 ms, half its 8 ms point's 2 ms,
+    1 ms; all four's at 5 / 2.5 = 2 ms, half its 4 ms point's 4 ms, 2 ms."""
+    from topomesh.sim.price import Pricer
+    from topomesh.trace.graph import CollectiveKind
+
+    c = dataclasses.replace(load_cluster("dgx-h100", gpus=4), collectives_share_compute=True, cores=2,
+                            threads_per_rank=1, compute_stretch=2.5, compute_stretches=((2, 1.25), (4, 2.5)),
+                            collective_in_step_s=((0.008, 2e-3),), collective_in_step_node_s=((0.004, 4e-3),))
+    links = {a: axis_link(c, place(c.topology, lay), [a]) for a, lay in (("tp", Layout(tp=2, dp_shard=2)),
+                                                                         ("dp_shard", Layout(dp_shard=4)))}
+    pricer = Pricer(c, links.__getitem__, {})
+    for axis, n, factor, extra in (("tp", 2, 2.0, 1e-3), ("dp_shard", 4, 1.0, 2e-3)):
+        rec = CollectiveRecord(kind=CollectiveKind.ALL_GATHER, bytes=1 << 20, group_size=n, mesh_axis=axis)
+        fitted = group_collective_time_s(rec, links[axis], c.profile)
+        assert pricer.comm(rec, gap_s=0.005).seconds == pytest.approx(fitted * factor + extra, rel=1e-12), axis

@@ -425,7 +425,7 @@ ALL = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 STRETCH = {"2": 1.1, "4": 1.9}
 
 
-SEG = {"compute_segment": 3}
+SEG = {"compute_segment": 4}
 
 
 @pytest.mark.parametrize("meta, again", [
@@ -437,6 +437,8 @@ SEG = {"compute_segment": 3}
      True),  # stretch and in-step costs timed on the chain that ran on subnormals
     ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE, "collectives": ALL,
       "compute_segment": 2}, True),  # each rank of the stretch timed from its own start
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE, "collectives": ALL,
+      "compute_segment": 3}, True),  # in-step costs with the first rank's wait in them
     ({"world_size": 4, "statistic": "mean", "compute_stretch": {"2": 1.1}, "rank_cpus": FREE, "collectives": ALL},
      True),  # no stretch for 4 ranks
     ({"world_size": 4, "statistic": "mean", "rank_cpus": FREE, "collectives": ALL}, True),  # before the stretch

@@ -295,7 +295,7 @@ stretches of a step between two synchronizations here, from a tensor-parallel bl
 (1-3 ms) over an FSDP2 unit's (5-10 ms) to a pipeline stage's micro-batch (10-30 ms)."""
 
 
-COMPUTE_SEGMENT = 3
+COMPUTE_SEGMENT = 4
 """How a sweep timed its compute segments (the compute stretch's and the in-step costs'),
 recorded in a profile's ``meta.compute_segment`` (pooled and reused only with the same).
 1 (no key, before 2026-11-27): :func:`_matmul_chain`'s values shrank by half a matmul, were
@@ -305,7 +305,9 @@ took 0.08 / 0.24 / 1.6 ms, and the 32 ms one 52 ms. 2: the chain on normal value
 rank of the stretch timed its segment from when it got going after a barrier, which leaves
 out the wait for a core of the ranks that outnumber the cores: four ranks on this 2-core VM
 came out at 1.67-1.73 (two ranks 1.02-1.08). 3: the ranks start at a common instant
-(:func:`measure_compute_stretch`): 1.95-2.14 per length for four ranks, 1.01-1.09 for two."""
+(:func:`measure_compute_stretch`): 1.95-2.14 per length for four ranks, 1.01-1.09 for two.
+4: the in-step costs timed from the last rank's arrival (:func:`measure_collective_in_step`),
+without the first rank's wait, which the stretch already holds."""
 
 
 STRETCH_START_S = 0.002
@@ -439,59 +441,97 @@ IN_STEP_POINTS = ((CollectiveKind.ALL_GATHER, 128 * KiB), (CollectiveKind.REDUCE
 transformer's activations (128-256 KiB)."""
 
 
-def measure_collective_in_step(ranks: Sequence[int], *, budget_s: float = 0.25) -> dict[str, float] | None:
-    """How much longer a collective of two ranks of one host (CPU) takes after ``gap`` seconds
-    of compute, as in a step, than back to back between barriers, as the sweep times it: per
-    gap in :data:`IN_STEP_GAPS_S`, the mean over :data:`IN_STEP_POINTS` (call on every rank
-    of the world; ``ranks`` are one host's).
+def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, budget_s: float = 0.25
+                               ) -> dict[str, float] | None:
+    """How much longer a collective of ``count`` ranks of one host (CPU; the first of
+    ``ranks``, which are one host's) takes after ``gap`` seconds of compute, as in a step, than
+    back to back between barriers, as the sweep times it: per gap in :data:`IN_STEP_GAPS_S`, the
+    mean over :data:`IN_STEP_POINTS` (call on every rank of the world). ``count`` 2 prices every
+    collective; the host's rank count (when above 2) prices a group of all of them
+    (:attr:`~topomesh.cost.cluster.Cluster.collective_in_step_node_s`).
 
-    Per point and gap, both ranks run [collective, then a matmul chain of ``gap`` seconds] and
-    the chain alone as often (about ``budget_s`` each); the difference per repeat, less the
-    collective's mean between barriers, is what the step pays more. Two gloo ranks here
-    (2026-11-26, two runs of 150 repeats): an all-gather of 128 KiB took 0.72-0.74 ms back to
-    back and, after 0.25 / 0.5 / 1 / 2 / 4 / 8 ms of compute, 0.08 / 0.40-0.54 / 0.26-0.52 /
-    0.52-0.59 / 1.07-1.40 / 1.25-2.08 ms more; an all-reduce of 256 KiB -0.31…-0.91 (less) at
-    0.25 ms and +1.07…+2.13 at 8 ms. (Until :data:`COMPUTE_SEGMENT` 2 the gaps this function
-    timed ran on subnormals and were about an eighth of their labels up to 8 ms.) The compute
-    after a collective is not what slows (a 2 or 8 ms chain after one took 0.0-0.2 ms longer
-    than after a barrier): the collective is, once the ranks have computed a while. Returns
-    ``{"gap": seconds}`` on ``ranks[0]``, None on the others."""
+    Per point and gap, both ranks run [collective, then a matmul chain of ``gap`` seconds]
+    (about ``budget_s``), and the collective is timed from the last rank's arrival at it
+    (:func:`after_last_arrival`); the same collective after a barrier, timed so, is taken off.
+    The wait of the rank that arrives first is not in it: the compute stretch holds that
+    (:func:`measure_compute_stretch` times the last rank to finish), and a step priced with
+    both would pay it twice. Until :data:`COMPUTE_SEGMENT` 4 this function timed the loop
+    against the chain alone, which put the wait in: two gloo ranks here, 2026-11-27, the old
+    figure against the one from the last arrival, after 0.5 / 2 / 8 ms of compute: all-gather
+    of 128 KiB 0.29 / 0.54 / 0.85 against 0.14 / 0.19 / 0.66 ms, reduce-scatter of 128 KiB
+    0.26 / 0.81 / 0.58 against 0.20 / 0.67 / 0.40, all-reduce of 256 KiB 0.96 / 0.58 / 1.56
+    against 0.83 / 0.34 / 0.89; the mean wait (the ranks' arrivals apart) 0.1-1.2 ms. An
+    FSDP2 unit's sizes pay about nothing more (3 MiB all-gather -0.72 / -0.50 / -0.18 ms,
+    6 MiB reduce-scatter -0.08 / 0.35 / 0.54). The compute after a collective is not what
+    slows (a 2 or 8 ms chain after one took 0.0-0.2 ms longer than after a barrier): the
+    collective is, once the ranks have computed a while.
+
+    Four ranks on the two cores (all four in each collective, 2026-11-27; from the last
+    arrival, after 0.5 / 2 / 8 ms of compute alone): all-gather of 128 KiB -0.03 / 1.03 / 3.33
+    ms more than the 2.82 back to back, reduce-scatter 1.93 / 2.96 / 4.48 (4.69), all-reduce
+    -0.23 / 1.59 / 4.40 (5.56); an FSDP2 unit's 3 MiB all-gather 0.03 / 0.86 / 3.87 and 6 MiB
+    reduce-scatter 2.23 / 2.82 / 4.59. Two of the four take turns on the cores with the
+    other two, and a rank whose peers still compute waits for one. Returns ``{"gap": seconds}``
+    on ``ranks[0]``, None on the others."""
     import torch.distributed as dist
 
     from topomesh.layout import groups as tm_groups
 
-    me, team = dist.get_rank(), tuple(ranks[:2])
+    me, team = dist.get_rank(), tuple(ranks[:count])
     pg = tm_groups.new_group(team)
     extra: dict[float, list[float]] = {gap: [] for gap in IN_STEP_GAPS_S}
     if me in team:
         chain, per = _timed_chain(team[0], pg)
         for kind, nbytes in IN_STEP_POINTS:
-            inp, out = _buffers(kind, nbytes, 2, "cpu")
+            inp, out = _buffers(kind, nbytes, len(team), "cpu")
             fn = _op(kind, inp, out, pg, team, me)
             for _ in range(3):
                 fn()
-            between = statistics.fmean(_time_once(fn, pg, "cpu") for _ in range(100))
+            between = _stamped_s(fn, None, 0, 100, pg)
             for gap in IN_STEP_GAPS_S:
                 k = max(1, round(gap / per))
                 repeats = max(20, round(budget_s / (gap + 0.002)))  # the same on both ranks
-                alone = _loop_s(None, chain, k, repeats, pg)
-                extra[gap].append(_loop_s(fn, chain, k, repeats, pg) - alone - between)
+                extra[gap].append(_stamped_s(fn, chain, k, repeats, pg) - between)
     dist.barrier()
     return {str(gap): statistics.fmean(v) for gap, v in extra.items()} if me == team[0] else None
 
 
-def _loop_s(fn: Callable[[], None] | None, chain: Callable[[int], None], k: int, repeats: int, pg: Any) -> float:
-    """Seconds per repeat of [``fn()`` (when given), ``chain(k)``], between two barriers of ``pg``."""
+def _stamped_s(fn: Callable[[], None], chain: Callable[[int], None] | None, k: int, repeats: int, pg: Any) -> float:
+    """:func:`after_last_arrival` of ``repeats`` calls of ``fn`` on the ranks of ``pg`` (the
+    same on each): each after a barrier (``chain`` None), else in a loop of [``fn()``,
+    ``chain(k)``] between two barriers. Stamps are the host's monotonic clock, one for the
+    processes of a host."""
+    import torch
     import torch.distributed as dist
 
+    stamps = torch.zeros(2, repeats, dtype=torch.float64)
     dist.barrier(group=pg)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        if fn is not None:
-            fn()
-        chain(k)
+    for i in range(repeats):
+        if chain is None:
+            dist.barrier(group=pg)
+        stamps[0, i] = _monotonic()
+        fn()
+        stamps[1, i] = _monotonic()
+        if chain is not None:
+            chain(k)
     dist.barrier(group=pg)
-    return (time.perf_counter() - t0) / repeats
+    every = [torch.zeros_like(stamps) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(every, stamps, group=pg)
+    return after_last_arrival([t[0].tolist() for t in every], [t[1].tolist() for t in every])
+
+
+def after_last_arrival(arrivals: Sequence[Sequence[float]], ends: Sequence[Sequence[float]]) -> float:
+    """The mean over repeats of how long the ranks' calls ran after the last rank arrived
+    (each rank's end less the latest arrival, averaged over ranks): ``arrivals[r][i]`` and
+    ``ends[r][i]`` are rank ``r``'s stamps of repeat ``i``, on one clock.
+
+    >>> after_last_arrival([[0.0, 10.0], [1.0, 10.5]], [[3.0, 12.0], [3.0, 13.0]])  # ((2 + 2) / 2 + (1.5 + 2.5) / 2) / 2
+    2.0
+    """
+    repeats = len(arrivals[0])
+    return statistics.fmean(
+        statistics.fmean(end[i] for end in ends) - max(arr[i] for arr in arrivals) for i in range(repeats)
+    )
 
 
 def stretch_of(alone: Sequence[float], together: Sequence[Sequence[float]]) -> float:
@@ -525,9 +565,10 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     mean of more repeats is the cure, and repeats spread over separate launches also sample
     what a launch settles once (where its threads run). The pooled meta keeps every sweep's
     rows in ``samples``, in order, and per sweep in ``sweeps`` when it was measured, how many
-    rows it holds, its compute stretch, its :func:`measure_collective_in_step` and its
-    :func:`~topomesh.cost.pipeline.measure_pipeline_action`; ``compute_stretch``,
-    ``collective_in_step_s`` and ``pipeline_action_s`` are the means of the sweeps'.
+    rows it holds, its compute stretch, its :func:`measure_collective_in_step` (two ranks and
+    the host's) and its :func:`~topomesh.cost.pipeline.measure_pipeline_action`;
+    ``compute_stretch``, ``collective_in_step_s``, ``collective_in_step_node_s`` and
+    ``pipeline_action_s`` are the means of the sweeps'.
 
     >>> one = {"measured_at": "t1", "samples": [["all_reduce", "SHM", 2, 8, 1.0]],
     ...        "compute_stretch": {"2": 1.2}, "world_size": 2}
@@ -556,6 +597,7 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     return {**new, "samples": rows, "sweeps": kept,
             "compute_stretch": _mean_per_key([sw.get("compute_stretch") for sw in kept]),
             "collective_in_step_s": _mean_per_key([sw.get("collective_in_step_s") for sw in kept]) or None,
+            "collective_in_step_node_s": _mean_per_key([sw.get("collective_in_step_node_s") for sw in kept]) or None,
             "pipeline_action_s": _mean_per_key([sw.get("pipeline_action_s") for sw in kept]) or None}, None
 
 
@@ -563,7 +605,9 @@ def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
     """What ``meta.sweeps`` keeps of a one-sweep profile's ``meta``."""
     return {"measured_at": meta.get("measured_at"), "points": len(meta["samples"]),
             "compute_stretch": meta.get("compute_stretch") or {}, "sweep_seconds": meta.get("sweep_seconds"),
-            "collective_in_step_s": meta.get("collective_in_step_s"), "pipeline_action_s": meta.get("pipeline_action_s")}
+            "collective_in_step_s": meta.get("collective_in_step_s"),
+            "collective_in_step_node_s": meta.get("collective_in_step_node_s"),
+            "pipeline_action_s": meta.get("pipeline_action_s")}
 
 
 def _mean_per_key(dicts: Sequence[Any]) -> dict[str, float]:
@@ -721,6 +765,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         stretch = measure_compute_stretch(local) if device == "cpu" else {}
         pair = device == "cpu" and len(local) >= 2  # two ranks of one host computing on its cores
         in_step = measure_collective_in_step(local) if pair else None
+        # a group of all of the host's ranks, where there are more than two
+        in_step_node = measure_collective_in_step(local, count=len(local)) if pair and len(local) > 2 else None
         pipe = measure_pipeline_action(local) if pair else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
@@ -738,6 +784,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
             "compute_segment": COMPUTE_SEGMENT,
             "collective_in_step_s": in_step,
+            "collective_in_step_node_s": in_step_node,
             "pipeline_action_s": pipe,
             "rank_cpus": rank_cpus,
             "measured_at": time.strftime(MEASURED_AT, time.gmtime()),

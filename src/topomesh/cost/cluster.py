@@ -157,6 +157,12 @@ class Cluster:
     sweep times it), by compute (:func:`topomesh.cost.calibrate.measure_collective_in_step`);
     priced per collective by :meth:`in_step_extra_s`. Empty: not measured (GPU presets; a
     profile from before it)."""
+    collective_in_step_node_s: tuple[tuple[float, float], ...] = ()
+    """The same for a group of all of a node's ranks, where there are more than two, measured
+    with all of them (:func:`topomesh.cost.calibrate.measure_collective_in_step` with ``count``):
+    four ranks on two cores take turns on the cores, and a collective after compute waits for
+    the peers that still compute, 0-5 ms here where two ranks pay under 1. Empty: not measured
+    (two ranks a node, GPU presets, a calibration of another rank count)."""
     pipeline_action_s: float = 0.0
     """Measured where ranks compute on CPUs (``local``): host seconds each action of a pipeline
     schedule of one stage a rank (``1f1b``, ``gpipe``) costs the stage's computing thread beyond
@@ -222,6 +228,18 @@ class Cluster:
         """
         return self.core_share if self.compute_stretch is None else max(self.compute_stretch, self.core_share)
 
+    def collective_share(self, ranks: int) -> float:
+        """How many times its calibrated time a collective of ``ranks`` of a node takes while all
+        the node's ranks step: :attr:`core_share` over the share its own ranks had when the
+        sweep ran them, alone on the node (at least 1). A group of all of them: 1.
+
+        >>> import dataclasses
+        >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1)
+        >>> c.collective_share(2), c.collective_share(4), dataclasses.replace(c, cores=None).collective_share(2)
+        (2.0, 1.0, 1.0)
+        """
+        return self.core_share / self.cores_share_at(ranks)
+
     def cores_share_at(self, ranks: float) -> float:
         """:attr:`core_share` with ``ranks`` of a node's ranks busy at once (a mean over an
         interval, so fractional) instead of all of them.
@@ -252,18 +270,28 @@ class Cluster:
         measured = dict(self.compute_stretches).get(ranks, 0.0)
         return max(measured, self.cores_share_at(ranks))
 
-    def in_step_extra_s(self, gap_s: float) -> float:
-        """What a collective costs more after ``gap_s`` seconds of compute than back to back:
-        linear between the measured :attr:`collective_in_step_s` points and (0, 0), the last
-        point's beyond it; 0 where nothing was measured.
+    def in_step_extra_s(self, gap_s: float, ranks: int = 2) -> float:
+        """What a collective of ``ranks`` of a node costs more after ``gap_s`` seconds of compute,
+        as priced (the node's ranks computing at once), than back to back: linear between the
+        measured points and (0, 0), the last point's beyond it; 0 where nothing was measured.
+        The points of a group of all the node's ranks where those were measured
+        (:attr:`collective_in_step_node_s`), else :attr:`collective_in_step_s` (two ranks). A
+        point's gap is one rank's compute alone, which the ranks it was measured on took
+        :meth:`lock_step_stretch` times as long to run at once: ``gap_s`` is read at that.
 
         >>> import dataclasses
         >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=2),
         ...                         collective_in_step_s=((0.001, 2e-4), (0.004, 8e-4)))
         >>> [round(c.in_step_extra_s(g) * 1e6) for g in (0.0, 0.0005, 0.0025, 0.004, 1.0)]
         [0, 100, 500, 800, 800]
+        >>> c4 = dataclasses.replace(c, gpus_per_node=4, collective_in_step_node_s=((0.004, 4e-3),), cores=2,
+        ...                          threads_per_rank=1, compute_stretches=((2, 1.25), (4, 2.5)))
+        >>> [round(c4.in_step_extra_s(0.005, n) * 1e6) for n in (2, 4)]  # read at 4 ms and 2 ms
+        [800, 2000]
         """
-        points = self.collective_in_step_s
+        whole = ranks > 2 and ranks >= self.gpus_per_node and self.collective_in_step_node_s
+        gap_s /= self.lock_step_stretch(self.gpus_per_node if whole else 2)
+        points = self.collective_in_step_node_s if whole else self.collective_in_step_s
         if not points:
             return 0.0
         gaps = [0.0, *(g for g, _ in points)]
@@ -513,6 +541,8 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     stretches = _stretches(prof.meta.get("compute_stretch"))
     stretch = dict(stretches).get(n) if n > 1 else None
     in_step = _in_step_points(prof.meta.get("collective_in_step_s"))
+    # a whole-node group's, measured on as many ranks as this cluster has
+    in_step_node = _in_step_points(prof.meta.get("collective_in_step_node_s")) if n == measured and n > 2 else ()
     pipe = prof.meta.get("pipeline_action_s")
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
@@ -522,7 +552,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
                    backward_split=split_shares(directory=directory),
                    compute_stretch=stretch, compute_stretches=stretches,
-                   collective_in_step_s=in_step if n > 1 else (),
+                   collective_in_step_s=in_step if n > 1 else (), collective_in_step_node_s=in_step_node,
                    pipeline_action_s=_action_seconds(pipe, "single"),
                    pipeline_multi_action_s=_action_seconds(pipe, "multi"))
 

@@ -281,12 +281,15 @@ class Pricer:
 
     def comm(self, rec: CollectiveRecord, gap_s: float = 0.0) -> Comm:
         """``rec`` priced on its link; on the compute cores (gloo), after ``gap_s`` seconds of
-        compute (:meth:`~topomesh.cost.cluster.Cluster.in_step_extra_s`)."""
+        compute: its calibrated time at the share of the cores the node's other ranks leave it
+        (:meth:`~topomesh.cost.cluster.Cluster.collective_share`), and what it costs more after
+        that compute (:meth:`~topomesh.cost.cluster.Cluster.in_step_extra_s`)."""
         link = self.link_of(rec.mesh_axis or "")
         seconds = group_collective_time_s(rec, link, self.cluster.profile)
         if self.cluster.collectives_share_compute:
-            # CPU work on the shared cores, like the ops; and what it costs more after compute
-            seconds = max(0.0, seconds * self.cluster.core_share + self.cluster.in_step_extra_s(gap_s))
+            c = self.cluster
+            ranks = rec.group_size if link.nodes <= 1 else link.ranks_per_node  # the group's on one node
+            seconds = max(0.0, seconds * c.collective_share(ranks) + c.in_step_extra_s(gap_s, ranks))
         return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds,
                     role=param_role(rec))
 
