@@ -496,8 +496,9 @@ def test_repeated_runs_pool_every_step_and_take_the_middle_prediction():
     assert r.steps_s == (2.0, 4.0, 3.0, 9.0, 1.0, 5.0) and r.loadavg == (0.5, 1.5, 1.5, 2.5, 2.5, 3.5)
     d = r.to_dict()
     assert d["measured_runs_s"] == [3.0, 3.0, 5.0] and d["predicted_runs_s"] == [1.0, 3.0, 2.0]
-    # an even count takes the lower middle prediction: 1, 3 -> 1
-    assert pooled_result("tp=2", passes[:2]).predicted_s == 1.0
+    # an even count takes the median as the steps do: 1, 3 -> 2; the breakdown is the lower one's
+    two = pooled_result("tp=2", passes[:2])
+    assert two.predicted_s == 2.0 and two.breakdown == passes[0][0].breakdown.to_dict()
     one = pooled_result("tp=2", passes[2:])
     assert (one.measured_s, one.predicted_s, one.runs_s) == (5.0, 2.0, (5.0,))
     with pytest.raises(ValidateError, match="layout tp=2 has no real run"):
@@ -554,8 +555,8 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
     assert report["repeats"] == 2
     one, two = report["layouts"]
     assert one["measured_s"] == pytest.approx(1.3) and one["measured_runs_s"] == pytest.approx([1.1, 1.5])
-    assert one["predicted_runs_s"] == [1.1, 1.3] and one["predicted_s"] == 1.1  # the lower middle of two
-    assert two["measured_s"] == 2.5 and two["predicted_s"] == 2.4
+    assert one["predicted_runs_s"] == [1.1, 1.3] and one["predicted_s"] == pytest.approx(1.2)  # the median of two
+    assert two["measured_s"] == 2.5 and two["predicted_s"] == pytest.approx(2.5)  # 2.4, 2.6
     assert report["collective_profile"]["path"] == str(saved)  # the profile that priced the run
     assert report["collective_profile"]["measured_at"] == "2026-11-26T05:55:03Z"
     monkeypatch.setenv("COLUMNS", "250")  # every column of the table on one line

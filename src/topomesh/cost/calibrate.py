@@ -441,14 +441,19 @@ IN_STEP_POINTS = ((CollectiveKind.ALL_GATHER, 128 * KiB), (CollectiveKind.REDUCE
 transformer's activations (128-256 KiB)."""
 
 
-def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, budget_s: float = 0.25
-                               ) -> dict[str, float] | None:
+def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, together: bool = False,
+                               budget_s: float = 0.5) -> dict[str, float] | None:
     """How much longer a collective of ``count`` ranks of one host (CPU; the first of
     ``ranks``, which are one host's) takes after ``gap`` seconds of compute, as in a step, than
     back to back between barriers, as the sweep times it: per gap in :data:`IN_STEP_GAPS_S`, the
     mean over :data:`IN_STEP_POINTS` (call on every rank of the world). ``count`` 2 prices every
     collective; the host's rank count (when above 2) prices a group of all of them
-    (:attr:`~topomesh.cost.cluster.Cluster.collective_in_step_node_s`).
+    (:attr:`~topomesh.cost.cluster.Cluster.collective_in_step_node_s`). ``together``: every
+    ``count`` ranks of ``ranks`` (a leftover idles) step at once, each group timing its own
+    collectives, as a layout's groups of a host do; what the first group pays more than its
+    sweep time at the share of the cores the others leave it (:func:`shared_collective`, the
+    simulator's price of a collective beside them) is kept
+    (:attr:`~topomesh.cost.cluster.Cluster.collective_in_step_pairs_s`).
 
     Per point and gap, both ranks run [collective, then a matmul chain of ``gap`` seconds]
     (about ``budget_s``), and the collective is timed from the last rank's arrival at it
@@ -471,29 +476,59 @@ def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, budget_s
     ms more than the 2.82 back to back, reduce-scatter 1.93 / 2.96 / 4.48 (4.69), all-reduce
     -0.23 / 1.59 / 4.40 (5.56); an FSDP2 unit's 3 MiB all-gather 0.03 / 0.86 / 3.87 and 6 MiB
     reduce-scatter 2.23 / 2.82 / 4.59. Two of the four take turns on the cores with the
-    other two, and a rank whose peers still compute waits for one. Returns ``{"gap": seconds}``
-    on ``ranks[0]``, None on the others."""
+    other two, and a rank whose peers still compute waits for one. Pairs of the four, both
+    pairs stepping, the first pair from its last arrival (0.32 / 0.46 / 1.06 ms back to back,
+    alone): all-gather of 128 KiB 1.27 / 1.42 / 3.38 ms, reduce-scatter 1.56 / 2.39 / 4.67,
+    all-reduce 1.49 / 3.59 / 5.27, against 0.57 / 0.52 / 0.88, 0.68 / 0.74 / 1.28 and 0.84 /
+    1.18 / 1.33 with the other pair idle; a 6 MiB reduce-scatter 12.6-14.8 ms (7.0 alone).
+    Returns ``{"gap": seconds}`` on ``ranks[0]``, None on the others."""
+    import torch
     import torch.distributed as dist
 
     from topomesh.layout import groups as tm_groups
+    from topomesh.topology.discover import allowed_cpus
 
-    me, team = dist.get_rank(), tuple(ranks[:count])
-    pg = tm_groups.new_group(team)
+    me = dist.get_rank()
+    teams = ([tuple(ranks[i:i + count]) for i in range(0, len(ranks) - count + 1, count)] if together
+             else [tuple(ranks[:count])])
+    pgs = [tm_groups.new_group(team) for team in teams]  # every rank makes every group, in order
+    mine = next((i for i, team in enumerate(teams) if me in team), None)
+    busy = sum(len(t) for t in teams)
+    share = shared_collective(busy, count, torch.get_num_threads(), len(allowed_cpus()))
     extra: dict[float, list[float]] = {gap: [] for gap in IN_STEP_GAPS_S}
-    if me in team:
-        chain, per = _timed_chain(team[0], pg)
-        for kind, nbytes in IN_STEP_POINTS:
+    chain, per = _timed_chain(ranks[0])  # timed alone, so a gap is one rank's compute alone
+    if mine is not None:
+        team, pg = teams[mine], pgs[mine]
+    for kind, nbytes in IN_STEP_POINTS:
+        between = 0.0
+        if mine is not None:
             inp, out = _buffers(kind, nbytes, len(team), "cpu")
             fn = _op(kind, inp, out, pg, team, me)
             for _ in range(3):
                 fn()
-            between = _stamped_s(fn, None, 0, 100, pg)
-            for gap in IN_STEP_GAPS_S:
+            if mine == 0:  # as the sweep times it: this group alone
+                between = _stamped_s(fn, None, 0, 100, pg)
+        for gap in IN_STEP_GAPS_S:
+            dist.barrier()  # the groups step at once
+            if mine is not None:
                 k = max(1, round(gap / per))
-                repeats = max(20, round(budget_s / (gap + 0.002)))  # the same on both ranks
-                extra[gap].append(_stamped_s(fn, chain, k, repeats, pg) - between)
+                repeats = max(20, round(budget_s / (gap + 0.002)))  # the same on every rank
+                took = _stamped_s(fn, chain, k, repeats, pg)
+                extra[gap].append(took - between * share)
     dist.barrier()
-    return {str(gap): statistics.fmean(v) for gap, v in extra.items()} if me == team[0] else None
+    return {str(gap): statistics.fmean(v) for gap, v in extra.items()} if me == teams[0][0] else None
+
+
+def shared_collective(busy: int, count: int, threads: int, cores: int) -> float:
+    """How many times its sweep time a collective of ``count`` ranks takes while ``busy``
+    ranks of ``threads`` threads step on ``cores`` cores: their core share over the share its
+    own ranks had in the sweep, which ran them alone
+    (:meth:`~topomesh.cost.cluster.Cluster.collective_share` prices it so).
+
+    >>> shared_collective(4, 2, 1, 2), shared_collective(4, 4, 1, 2), shared_collective(2, 2, 1, 8)
+    (2.0, 1.0, 1.0)
+    """
+    return max(1.0, busy * threads / cores) / max(1.0, count * threads / cores)
 
 
 def _stamped_s(fn: Callable[[], None], chain: Callable[[int], None] | None, k: int, repeats: int, pg: Any) -> float:
@@ -565,9 +600,10 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     mean of more repeats is the cure, and repeats spread over separate launches also sample
     what a launch settles once (where its threads run). The pooled meta keeps every sweep's
     rows in ``samples``, in order, and per sweep in ``sweeps`` when it was measured, how many
-    rows it holds, its compute stretch, its :func:`measure_collective_in_step` (two ranks and
-    the host's) and its :func:`~topomesh.cost.pipeline.measure_pipeline_action`;
-    ``compute_stretch``, ``collective_in_step_s``, ``collective_in_step_node_s`` and
+    rows it holds, its compute stretch, its :func:`measure_collective_in_step` (two ranks,
+    pairs of the host's ranks stepping together, all of them) and its
+    :func:`~topomesh.cost.pipeline.measure_pipeline_action`; ``compute_stretch``,
+    ``collective_in_step_s``, ``collective_in_step_pairs_s``, ``collective_in_step_node_s`` and
     ``pipeline_action_s`` are the means of the sweeps'.
 
     >>> one = {"measured_at": "t1", "samples": [["all_reduce", "SHM", 2, 8, 1.0]],
@@ -597,6 +633,7 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     return {**new, "samples": rows, "sweeps": kept,
             "compute_stretch": _mean_per_key([sw.get("compute_stretch") for sw in kept]),
             "collective_in_step_s": _mean_per_key([sw.get("collective_in_step_s") for sw in kept]) or None,
+            "collective_in_step_pairs_s": _mean_per_key([sw.get("collective_in_step_pairs_s") for sw in kept]) or None,
             "collective_in_step_node_s": _mean_per_key([sw.get("collective_in_step_node_s") for sw in kept]) or None,
             "pipeline_action_s": _mean_per_key([sw.get("pipeline_action_s") for sw in kept]) or None}, None
 
@@ -606,6 +643,7 @@ def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
     return {"measured_at": meta.get("measured_at"), "points": len(meta["samples"]),
             "compute_stretch": meta.get("compute_stretch") or {}, "sweep_seconds": meta.get("sweep_seconds"),
             "collective_in_step_s": meta.get("collective_in_step_s"),
+            "collective_in_step_pairs_s": meta.get("collective_in_step_pairs_s"),
             "collective_in_step_node_s": meta.get("collective_in_step_node_s"),
             "pipeline_action_s": meta.get("pipeline_action_s")}
 
@@ -765,8 +803,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         stretch = measure_compute_stretch(local) if device == "cpu" else {}
         pair = device == "cpu" and len(local) >= 2  # two ranks of one host computing on its cores
         in_step = measure_collective_in_step(local) if pair else None
-        # a group of all of the host's ranks, where there are more than two
-        in_step_node = measure_collective_in_step(local, count=len(local)) if pair and len(local) > 2 else None
+        # where the host has more than two ranks: pairs while all of them step, and a group of all
+        more = pair and len(local) > 2
+        in_step_pairs = measure_collective_in_step(local, together=True) if more else None
+        in_step_node = measure_collective_in_step(local, count=len(local)) if more else None
         pipe = measure_pipeline_action(local) if pair else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
@@ -784,6 +824,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
             "compute_segment": COMPUTE_SEGMENT,
             "collective_in_step_s": in_step,
+            "collective_in_step_pairs_s": in_step_pairs,
             "collective_in_step_node_s": in_step_node,
             "pipeline_action_s": pipe,
             "rank_cpus": rank_cpus,

@@ -157,6 +157,12 @@ class Cluster:
     sweep times it), by compute (:func:`topomesh.cost.calibrate.measure_collective_in_step`);
     priced per collective by :meth:`in_step_extra_s`. Empty: not measured (GPU presets; a
     profile from before it)."""
+    collective_in_step_pairs_s: tuple[tuple[float, float], ...] = ()
+    """The same for a pair of a node's ranks while all of them step in pairs (more than two):
+    what it takes more than its calibrated time at :meth:`collective_share`, measured so
+    (:func:`topomesh.cost.calibrate.measure_collective_in_step` ``together``). Four ranks on two
+    cores: a 128 KiB all-gather after 2 / 8 ms of compute took 1.42 / 3.38 ms with the other
+    pair stepping, 0.52 / 0.88 with it idle. Empty: as :attr:`collective_in_step_node_s`."""
     collective_in_step_node_s: tuple[tuple[float, float], ...] = ()
     """The same for a group of all of a node's ranks, where there are more than two, measured
     with all of them (:func:`topomesh.cost.calibrate.measure_collective_in_step` with ``count``):
@@ -274,10 +280,11 @@ class Cluster:
         """What a collective of ``ranks`` of a node costs more after ``gap_s`` seconds of compute,
         as priced (the node's ranks computing at once), than back to back: linear between the
         measured points and (0, 0), the last point's beyond it; 0 where nothing was measured.
-        The points of a group of all the node's ranks where those were measured
-        (:attr:`collective_in_step_node_s`), else :attr:`collective_in_step_s` (two ranks). A
-        point's gap is one rank's compute alone, which the ranks it was measured on took
-        :meth:`lock_step_stretch` times as long to run at once: ``gap_s`` is read at that.
+        Where the node has more than two ranks and they were measured so, the points of a group
+        of all of them (:attr:`collective_in_step_node_s`) or of a pair among them
+        (:attr:`collective_in_step_pairs_s`), else :attr:`collective_in_step_s` (two ranks
+        alone). A point's gap is one rank's compute alone, which the ranks it was measured on
+        took :meth:`lock_step_stretch` times as long to run at once: ``gap_s`` is read at that.
 
         >>> import dataclasses
         >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=2),
@@ -288,10 +295,17 @@ class Cluster:
         ...                          threads_per_rank=1, compute_stretches=((2, 1.25), (4, 2.5)))
         >>> [round(c4.in_step_extra_s(0.005, n) * 1e6) for n in (2, 4)]  # read at 4 ms and 2 ms
         [800, 2000]
+        >>> round(dataclasses.replace(c4, collective_in_step_pairs_s=((0.004, 1e-3),)).in_step_extra_s(0.005) * 1e6)
+        500
         """
-        whole = ranks > 2 and ranks >= self.gpus_per_node and self.collective_in_step_node_s
-        gap_s /= self.lock_step_stretch(self.gpus_per_node if whole else 2)
-        points = self.collective_in_step_node_s if whole else self.collective_in_step_s
+        n, points = self.gpus_per_node, self.collective_in_step_s
+        if n > 2 and ranks >= n and self.collective_in_step_node_s:
+            points = self.collective_in_step_node_s
+        elif n > 2 and ranks == 2 and self.collective_in_step_pairs_s:
+            points = self.collective_in_step_pairs_s
+        else:
+            n = 2  # measured on two ranks alone
+        gap_s /= self.lock_step_stretch(n)
         if not points:
             return 0.0
         gaps = [0.0, *(g for g, _ in points)]
@@ -541,8 +555,9 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     stretches = _stretches(prof.meta.get("compute_stretch"))
     stretch = dict(stretches).get(n) if n > 1 else None
     in_step = _in_step_points(prof.meta.get("collective_in_step_s"))
-    # a whole-node group's, measured on as many ranks as this cluster has
-    in_step_node = _in_step_points(prof.meta.get("collective_in_step_node_s")) if n == measured and n > 2 else ()
+    whole = n == measured and n > 2  # measured on as many ranks as this cluster has
+    in_step_pairs = _in_step_points(prof.meta.get("collective_in_step_pairs_s")) if whole else ()
+    in_step_node = _in_step_points(prof.meta.get("collective_in_step_node_s")) if whole else ()
     pipe = prof.meta.get("pipeline_action_s")
     return Cluster(name=LOCAL, topology=topo, device=cpu_spec(directory=directory), profile=prof,
                    gpus_per_node=n, source=str(path), cores=cores, threads_per_rank=torch.get_num_threads(),
@@ -553,6 +568,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    backward_split=split_shares(directory=directory),
                    compute_stretch=stretch, compute_stretches=stretches,
                    collective_in_step_s=in_step if n > 1 else (), collective_in_step_node_s=in_step_node,
+                   collective_in_step_pairs_s=in_step_pairs,
                    pipeline_action_s=_action_seconds(pipe, "single"),
                    pipeline_multi_action_s=_action_seconds(pipe, "multi"))
 

@@ -378,9 +378,12 @@ def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) 
 
     Measured: the median of every timed step of every run (and so for CPU time, page faults
     and the wait for a core); the peak (the largest rank's) of the middle run by peak. Predicted: the median
-    prediction (the lower middle one for an even count), with its breakdown. A slow spell of
-    the machine then moves one run's steps among several, not the whole measurement. The
-    load average is kept from before and after every run.
+    prediction, as the steps' (the mean of the two middle ones for an even count), with the
+    breakdown and memory of the lower middle one. A slow spell of the machine then moves one
+    run's steps among several, not the whole measurement. The load average is kept from before
+    and after every run. (Until 2026-11-27 an even count took the lower middle prediction:
+    with ``--repeats 2`` the lower of two, against the median of both runs' steps, which put
+    every such layout under its run by half the two passes' spread: 2-12 % here.)
     """
     if not passes:
         raise ValidateError(f"layout {spec_text} has no real run to report.")
@@ -391,7 +394,8 @@ def pooled_result(spec_text: str, passes: Sequence[tuple[Any, dict[str, Any]]]) 
     order = sorted(range(len(passes)), key=lambda i: passes[i][0].step_time_s)
     prediction = passes[order[(len(order) - 1) // 2]][0]
     return LayoutResult(
-        layout=spec_text, predicted_s=prediction.step_time_s, measured_s=statistics.median(steps),
+        layout=spec_text, predicted_s=statistics.median(p.step_time_s for p, _ in passes),
+        measured_s=statistics.median(steps),
         predicted_peak_bytes=int(prediction.peak_memory_bytes),
         measured_peak_bytes=statistics.median_low(max(r["peak_bytes"]) for r in records),
         measured_cpu_s=statistics.median([s for r in records for s in r.get("cpu_s") or ()] or [0.0]),
