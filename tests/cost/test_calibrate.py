@@ -310,6 +310,46 @@ def test_a_whole_nodes_collective_after_compute_is_timed_on_all_its_ranks(monkey
     assert got == {"0.0005": pytest.approx(1.4e-3), "0.002": pytest.approx(0.5e-3), "0.008": pytest.approx(2e-3)}
 
 
+@pytest.mark.parametrize("me", [0, 2])
+def test_pairs_stepping_together_keep_what_they_take_beyond_their_shared_sweep_time(monkeypatch, me):
+    """Four ranks, one thread each, on two cores, in pairs (0, 1) and (2, 3) at once: a pair's
+    sweep time counts twice beside the other pair (4 / 2 over 2 / 2). Faked stamps: 1.0 ms
+    between barriers (the first pair alone: rank 2 never times it), 2.4 ms in the loop after
+    0.5 ms of compute, 1.0 + g / 4 after the others: by hand 2.4 - 2 x 1.0 = 0.4 ms, then
+    g / 4 - 1.0 ms; only rank 0 returns them."""
+    import torch
+    import torch.distributed as dist
+
+    from topomesh.cost import calibrate
+    from topomesh.layout import groups as tm_groups
+
+    groups, between = [], []
+    monkeypatch.setattr(dist, "get_rank", lambda: me)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: t.fill_(1e-4) if t.numel() else None)
+    monkeypatch.setattr(tm_groups, "new_group", lambda ranks: groups.append(tuple(ranks)) or len(groups))
+    monkeypatch.setattr("topomesh.topology.discover.allowed_cpus", lambda: [0, 1])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(calibrate, "_matmul_chain", lambda: lambda k: None)
+    monkeypatch.setattr(calibrate, "_buffers", lambda kind, nbytes, n, device: (None, None))
+    monkeypatch.setattr(calibrate, "_op", lambda kind, inp, out, pg, ranks, me: lambda: None)
+
+    def stamped_s(fn, chain, k, repeats, pg):  # noqa: ANN001, ANN202
+        if chain is None:
+            between.append(pg)
+            return 1.0e-3
+        return 2.4e-3 if abs(k * 1e-4 - 5e-4) < 1e-9 else 1e-3 + k * 1e-4 / 4
+
+    monkeypatch.setattr(calibrate, "_stamped_s", stamped_s)
+    got = calibrate.measure_collective_in_step([0, 1, 2, 3], together=True)
+    assert groups == [(0, 1), (2, 3)]
+    if me:
+        assert got is None and between == []
+        return
+    assert between == [1] * len(calibrate.IN_STEP_POINTS)  # the first pair's own group
+    assert got == {"0.0005": pytest.approx(0.4e-3), "0.002": pytest.approx(-0.5e-3), "0.008": pytest.approx(1e-3)}
+
+
 def test_the_first_ranks_wait_is_not_in_the_time_after_the_last_arrival():
     from topomesh.cost.calibrate import after_last_arrival
 
