@@ -539,17 +539,18 @@ def _stamped_s(fn: Callable[[], None], chain: Callable[[int], None] | None, k: i
     import torch
     import torch.distributed as dist
 
-    stamps = torch.zeros(2, repeats, dtype=torch.float64)
+    arrived, ended = [], []
     dist.barrier(group=pg)
-    for i in range(repeats):
+    for _ in range(repeats):
         if chain is None:
             dist.barrier(group=pg)
-        stamps[0, i] = _monotonic()
+        arrived.append(_monotonic())
         fn()
-        stamps[1, i] = _monotonic()
+        ended.append(_monotonic())
         if chain is not None:
             chain(k)
     dist.barrier(group=pg)
+    stamps = torch.tensor([arrived, ended], dtype=torch.float64)
     every = [torch.zeros_like(stamps) for _ in range(dist.get_world_size(pg))]
     dist.all_gather(every, stamps, group=pg)
     return after_last_arrival([t[0].tolist() for t in every], [t[1].tolist() for t in every])
