@@ -350,6 +350,38 @@ def test_pairs_stepping_together_keep_what_they_take_beyond_their_shared_sweep_t
     assert got == {"0.0005": pytest.approx(0.4e-3), "0.002": pytest.approx(-0.5e-3), "0.008": pytest.approx(1e-3)}
 
 
+@pytest.mark.parametrize("chain", [None, "loop"])
+def test_stamped_calls_are_timed_from_the_peer_that_arrives_last(monkeypatch, chain):
+    """A fake clock: each call takes 3 ms, a chain of k 1 ms. The peer (all-gathered) arrives
+    1 ms after this rank and ends when it does: by hand 3 - 1 = 2 ms from the last arrival,
+    after a barrier each time or in a loop with compute between."""
+    import torch
+    import torch.distributed as dist
+
+    from topomesh.cost import calibrate
+
+    now = [100.0]
+    monkeypatch.setattr(calibrate, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def all_gather(every, mine, group=None):  # noqa: ANN001, ANN202
+        every[0].copy_(mine)
+        every[1].copy_(mine + torch.tensor([[1e-3], [0.0]], dtype=mine.dtype))
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+
+    def fn() -> None:
+        now[0] += 3e-3
+
+    def compute(k: int) -> None:
+        now[0] += k * 1e-3
+
+    got = calibrate._stamped_s(fn, None if chain is None else compute, 5, 4, None)
+    assert got == pytest.approx(2e-3)
+    assert now[0] == pytest.approx(100.0 + 4 * 3e-3 + (0 if chain is None else 4 * 5e-3))
+
+
 def test_the_first_ranks_wait_is_not_in_the_time_after_the_last_arrival():
     from topomesh.cost.calibrate import after_last_arrival
 

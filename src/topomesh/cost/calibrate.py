@@ -451,8 +451,8 @@ def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, together
     (:attr:`~topomesh.cost.cluster.Cluster.collective_in_step_node_s`). ``together``: every
     ``count`` ranks of ``ranks`` (a leftover idles) step at once, each group timing its own
     collectives, as a layout's groups of a host do; what the first group pays more than its
-    sweep time at the share of the cores the others leave it (:func:`shared_collective`, the
-    simulator's price of a collective beside them) is kept
+    sweep time at the share of the cores the others leave it (the simulator's price of a
+    collective beside them, :meth:`~topomesh.cost.cluster.Cluster.collective_share`) is kept
     (:attr:`~topomesh.cost.cluster.Cluster.collective_in_step_pairs_s`).
 
     Per point and gap, both ranks run [collective, then a matmul chain of ``gap`` seconds]
@@ -485,6 +485,7 @@ def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, together
     import torch
     import torch.distributed as dist
 
+    from topomesh.cost.cluster import cores_share
     from topomesh.layout import groups as tm_groups
     from topomesh.topology.discover import allowed_cpus
 
@@ -494,7 +495,8 @@ def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, together
     pgs = [tm_groups.new_group(team) for team in teams]  # every rank makes every group, in order
     mine = next((i for i, team in enumerate(teams) if me in team), None)
     busy = sum(len(t) for t in teams)
-    share = shared_collective(busy, count, torch.get_num_threads(), len(allowed_cpus()))
+    threads, cores = torch.get_num_threads(), len(allowed_cpus())
+    share = cores_share(busy, threads, cores) / cores_share(count, threads, cores)  # as Cluster.collective_share
     extra: dict[float, list[float]] = {gap: [] for gap in IN_STEP_GAPS_S}
     chain, per = _timed_chain(ranks[0])  # timed alone, so a gap is one rank's compute alone
     if mine is not None:
@@ -517,18 +519,6 @@ def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, together
                 extra[gap].append(took - between * share)
     dist.barrier()
     return {str(gap): statistics.fmean(v) for gap, v in extra.items()} if me == teams[0][0] else None
-
-
-def shared_collective(busy: int, count: int, threads: int, cores: int) -> float:
-    """How many times its sweep time a collective of ``count`` ranks takes while ``busy``
-    ranks of ``threads`` threads step on ``cores`` cores: their core share over the share its
-    own ranks had in the sweep, which ran them alone
-    (:meth:`~topomesh.cost.cluster.Cluster.collective_share` prices it so).
-
-    >>> shared_collective(4, 2, 1, 2), shared_collective(4, 4, 1, 2), shared_collective(2, 2, 1, 8)
-    (2.0, 1.0, 1.0)
-    """
-    return max(1.0, busy * threads / cores) / max(1.0, count * threads / cores)
 
 
 def _stamped_s(fn: Callable[[], None], chain: Callable[[int], None] | None, k: int, repeats: int, pg: Any) -> float:

@@ -80,6 +80,18 @@ GPUS_MAX = 1_048_576
 LOCAL = "local"
 
 
+def cores_share(ranks: float, threads: int, cores: int) -> float:
+    """How many times slower CPU work runs with ``ranks`` ranks of ``threads`` threads busy on
+    ``cores`` cores than on cores of its own (at least 1): what :attr:`Cluster.core_share` and
+    :meth:`Cluster.cores_share_at` price with, and what the calibration takes a collective's
+    sweep time at beside other ranks (:func:`topomesh.cost.calibrate.measure_collective_in_step`).
+
+    >>> cores_share(4, 1, 2), cores_share(1.5, 3, 2), cores_share(2, 1, 8)
+    (2.0, 2.25, 1.0)
+    """
+    return max(1.0, ranks * threads / cores)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cluster:
     """A world to simulate on: topology, device, collective profile."""
@@ -210,9 +222,7 @@ class Cluster:
         >>> c.core_share, dataclasses.replace(c, cores=2, threads_per_rank=1).core_share
         (1.0, 4.0)
         """
-        if self.cores is None:
-            return 1.0
-        return max(1.0, self.gpus_per_node * self.threads_per_rank / self.cores)
+        return self.cores_share_at(self.gpus_per_node)
 
     @property
     def compute_share(self) -> float:
@@ -222,8 +232,9 @@ class Cluster:
         core time. (Until the calibration timed every rank from a common start, a rank that got
         a core only when another finished started late and then timed what it took alone: four
         ranks on two cores measured 1.50-1.88 here, while four one-process steps at once took 2.0
-        times one alone; from the common start 2.09-2.31.) Collectives stay at
-        :attr:`core_share`: their calibration already ran every rank of their group at once.
+        times one alone; from the common start 2.09-2.31.) Collectives take
+        :meth:`collective_share` instead: their calibration already ran every rank of their group
+        at once.
 
         >>> import dataclasses
         >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=8), cores=2, threads_per_rank=1)
@@ -255,9 +266,7 @@ class Cluster:
         >>> c.cores_share_at(1.5), c.cores_share_at(3), c.cores_share_at(4) == c.core_share
         (1.0, 1.5, True)
         """
-        if self.cores is None:
-            return 1.0
-        return max(1.0, ranks * self.threads_per_rank / self.cores)
+        return 1.0 if self.cores is None else cores_share(ranks, self.threads_per_rank, self.cores)
 
     def lock_step_stretch(self, ranks: int) -> float:
         """How many times longer ``ranks`` ranks of the node take for compute they run in lock-step

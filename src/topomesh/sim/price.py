@@ -288,7 +288,7 @@ class Pricer:
         seconds = group_collective_time_s(rec, link, self.cluster.profile)
         if self.cluster.collectives_share_compute:
             c = self.cluster
-            ranks = rec.group_size if link.nodes <= 1 else link.ranks_per_node  # the group's on one node
+            ranks = link.ranks_per_node  # the group's on one node
             seconds = max(0.0, seconds * c.collective_share(ranks) + c.in_step_extra_s(gap_s, ranks))
         return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds,
                     role=param_role(rec))
