@@ -116,7 +116,8 @@ def test_cli_local_json_and_bad_input(tmp_path, capsys):
     meta = load_profile(out).meta
     assert meta["samples"][:5] == first["samples"] and len(meta["samples"]) == 10  # 5 sizes a sweep
     assert [s["measured_at"] for s in meta["sweeps"]][0] == first["measured_at"]
-    assert load_profile(out).model(CollectiveKind.BROADCAST, LinkKind.SHM).fit.train_points == 6  # 3 sizes x 2 sweeps
+    # one fit over both sweeps' points, each size's two means averaged first: 3 training sizes, 3 points
+    assert load_profile(out).model(CollectiveKind.BROADCAST, LinkKind.SHM).fit.train_points == 3
     assert main(["calibrate", "--local", "2", "--pool", "0"]) == 2
     assert "--pool must be 1 to 64 sweeps, got 0" in capsys.readouterr().err
     assert main(["calibrate", "--local", "1"]) == 2
@@ -464,6 +465,25 @@ def test_pooling_keeps_the_newest_sweeps_rows_in_order_and_averages_their_stretc
     # keep 1: this sweep alone, whatever was saved
     got, why = pool_sweeps(saved, _sweep_meta("t4", [6.0], 1.3), keep=1)
     assert why is None and [r[4] for r in got["samples"]] == [6.0] and got["compute_stretch"] == {"2": 1.3}
+
+
+def test_pooled_sweeps_are_fitted_on_each_points_mean():
+    # two sweeps of one alpha-beta law (100 us + bytes at 2 GB/s), one at half, one at 1.5 times it:
+    # their mean is the law. Fitting the repeated points for least relative error would land on
+    # sum(1/t) / sum(1/t^2) = (2 + 2/3) / (4 + 4/9) = 0.6 of it instead.
+    from topomesh.cost.calibrate import fit_profile, mean_points
+    from topomesh.cost.collectives import Sample
+
+    sizes = [2**k for k in range(10, 25)]
+    law = [100e-6 + b / 2e9 for b in sizes]
+    rows = [Sample(collective=CollectiveKind.SEND_RECV, link=LinkKind.SHM, group_size=2, nbytes=b, seconds=t * f)
+            for f in (0.5, 1.5) for b, t in zip(sizes, law, strict=True)]
+    assert [s.seconds for s in mean_points(rows)] == pytest.approx(law, rel=1e-12)
+    prof, skipped = fit_profile(rows, name="t", backend="gloo", fingerprint="f", meta={})
+    model = prof.model(CollectiveKind.SEND_RECV, LinkKind.SHM)
+    assert skipped == {} and model.fit.train_points == 8  # 15 sizes, every other one held out
+    for b, t in zip(sizes, law, strict=True):
+        assert model.time_s(2, b, 0.0) == pytest.approx(t, rel=1e-6)
 
 
 @pytest.mark.parametrize("saved, reason", [

@@ -91,6 +91,25 @@ def test_piecewise_wins_when_the_protocol_changes_with_size():
     assert model.fit.mean_rel < 0.05
 
 
+def test_each_group_size_gets_its_own_fit_where_one_form_cannot_follow_them():
+    # pairs: 100 us + 128 KiB at 1 GB/s; four ranks: 1000 us flat latency (no growth per ring step)
+    # and 4 GB/s. One alpha + hop form cannot hold both; each alone is exact.
+    two = _synthetic(AR, SIZES, [2], alpha_us=100.0, hop_us=0.0, busbw_GBps=1.0)
+    four = _synthetic(AR, SIZES, [4], alpha_us=1000.0, hop_us=0.0, busbw_GBps=4.0)
+    model = fit_collective(two + four)
+    assert sorted(model.by_group) == [2, 4]
+    for n, gbps, alpha in ((2, 1.0, 100e-6), (4, 4.0, 1000e-6)):
+        for b in (4096, 131072, 2**24):
+            want = alpha + bus_factor(AR, n) * b / (gbps * 1e9)  # the law itself, by hand
+            assert model.time_s(n, b, 0.0) == pytest.approx(want, rel=1e-6)
+    # a size not measured is priced by the joint form, not by either group's own fit
+    joint = CollectiveModel(collective=AR, link=LinkKind.SHM, terms=model.terms, select=model.select)
+    assert model.time_s(8, 2**20, 0.0) == joint.time_s(8, 2**20, 0.0)
+    # sizes one form already follows keep the joint model alone
+    same = _synthetic(AR, SIZES, [2, 4, 8], alpha_us=8.4, hop_us=3.4, busbw_GBps=200.0)
+    assert dict(fit_collective(same).by_group) == {}
+
+
 def test_fits_refuse_too_few_sizes_and_flat_times():
     with pytest.raises(CalibrationError, match=">= 4"):
         fit_collective(_synthetic(AR, SIZES[:3], [2], 10.0, 0.0, 1.0))
@@ -158,6 +177,19 @@ def test_profile_round_trip_and_malformed_input(tmp_path):
     path.write_text(json.dumps(prof.to_dict()))
     back = load_profile(path)
     assert back.model(AR, LinkKind.SHM) == model
+    # per group size models survive the round trip and price their size
+    own = CollectiveModel(collective=AR, link=LinkKind.SHM, terms=(Term(alpha_us=500.0, busbw_GBps=2.0),))
+    split = CollectiveProfile(name="t", backend="gloo", source="test",
+                              models={(AR, LinkKind.SHM): CollectiveModel(collective=AR, link=LinkKind.SHM,
+                                                                          terms=model.terms, by_group={4: own})})
+    path.write_text(json.dumps(split.to_dict()))
+    again = load_profile(path).model(AR, LinkKind.SHM)
+    assert again.by_group[4] == own and again.time_s(4, 1e6, 0.0) == pytest.approx(500e-6 + 1.5 * 1e6 / 2e9)
+    assert again.time_s(2, 1e6, 0.0) == pytest.approx(5e-6 + 1e6 / 1e9)
+    bad = split.to_dict()
+    bad["models"][0]["by_group"][0]["group_size"] = 1
+    with pytest.raises(CalibrationError, match="group_size 1"):
+        profile_from_dict(bad)
     with pytest.raises(CalibrationError, match="no model for all_gather over SHM"):
         back.model(CollectiveKind.ALL_GATHER, LinkKind.SHM)
     with pytest.raises(CalibrationError, match="malformed collective profile"):
