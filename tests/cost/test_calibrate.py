@@ -110,6 +110,8 @@ def test_cli_local_json_and_bad_input(tmp_path, capsys):
     assert model["fit_error"]["heldout_points"] == 2
     # a second launch's sweep pooled with the first: both sweeps' rows, one fit over them
     first = json.loads(out.read_text())["meta"]
+    # the two ranks timed their functional collectives against the plain ones: every kind, size, dtype
+    assert len(first["functional_premium_s"]) == 12 and all(abs(v) < 0.1 for v in first["functional_premium_s"].values())
     assert main(["calibrate", "--local", "2", "--json", "--min-bytes", str(64 * 1024), "--max-bytes", str(2**24),
                  "--factor", "4", "--collectives", "broadcast", "--output", str(out), "--pool", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["sweeps"] == 2
@@ -278,6 +280,53 @@ def test_a_collective_after_compute_costs_its_time_from_the_last_arrival_less_be
         assert got is None
         return
     assert got == {"0.0005": pytest.approx(1.4e-3), "0.002": pytest.approx(0.5e-3), "0.008": pytest.approx(2e-3)}
+
+
+@pytest.mark.parametrize("me", [0, 1, 2])
+def test_the_functional_premium_is_the_functional_call_less_the_plain_one(monkeypatch, me):
+    """Faked stamps: the sweep's plain call 1.0 ms after the last arrival, a functional one
+    1.0 ms + 1 us per KiB of the tensor it is handed (so the premium grows with size, by hand:
+    4 KiB 4 us, 128 KiB 64 us for an all-gather's half, 128 us for the others); every kind
+    at the small size and its in-step size, in both dtypes; rank 2 is not in the pair."""
+    import torch.distributed as dist
+
+    from topomesh.cost import calibrate
+    from topomesh.layout import groups as tm_groups
+
+    issued = []
+    monkeypatch.setattr(dist, "get_rank", lambda: me)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(tm_groups, "new_group", lambda ranks: "pg")
+    monkeypatch.setattr(calibrate, "_buffers", lambda kind, nbytes, n, device: (None, None))
+    monkeypatch.setattr(calibrate, "_op", lambda kind, inp, out, pg, ranks, me: lambda: None)
+
+    def functional(funcol, kind, full, group):  # noqa: ANN001, ANN202
+        assert group == "pg" and full.dim() == 3 and full.shape[2] == 256
+        issued.append((kind, str(full.dtype)))
+
+        def issue() -> None:
+            pass
+
+        issue.part = full.numel() * full.element_size() // (2 if kind is CollectiveKind.ALL_GATHER else 1)
+        return issue
+
+    monkeypatch.setattr(calibrate, "_functional_op", functional)
+    monkeypatch.setattr(calibrate, "_stamped_s", lambda fn, chain, k, repeats, pg:
+                        1e-3 + getattr(fn, "part", 0) / 1024 * 1e-6)
+    got = calibrate.measure_functional_premium([0, 1, 2])
+    if me == 2:
+        assert got is None and issued == []
+        return
+    if me == 1:
+        assert got is None and len(issued) == 12
+        return
+    want = {}
+    for kind, big in calibrate.IN_STEP_POINTS:
+        for dtype in ("bfloat16", "float32"):
+            for nbytes in (4096, big):
+                want[f"{kind.value}/{dtype}/{nbytes}"] = pytest.approx(
+                    nbytes / 1024 * 1e-6 / (2 if kind is CollectiveKind.ALL_GATHER else 1), rel=1e-9)
+    assert got == want
 
 
 @pytest.mark.parametrize("me", [0, 3, 4])

@@ -196,3 +196,20 @@ def test_profile_round_trip_and_malformed_input(tmp_path):
         profile_from_dict({"version": 1, "name": "x", "backend": "nccl", "models": [{"collective": "nope"}]})
     with pytest.raises(CalibrationError, match="no such collective profile"):
         load_profile(tmp_path / "missing.json")
+
+
+def test_show_lists_each_group_sizes_own_fit(tmp_path, capsys, monkeypatch):
+    from topomesh.cli.main import main
+    from topomesh.cost.collectives import CollectiveProfile
+
+    two = _synthetic(AR, SIZES, [2], alpha_us=100.0, hop_us=0.0, busbw_GBps=1.0)
+    four = _synthetic(AR, SIZES, [4], alpha_us=1000.0, hop_us=0.0, busbw_GBps=4.0)
+    prof = CollectiveProfile(name="t", backend="gloo", source="test",
+                             models={(AR, LinkKind.SHM): fit_collective(two + four)})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    monkeypatch.setenv("COLUMNS", "200")  # rich's table, one line a row
+    assert main(["calibrate", "--show", str(path)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "all_reduce" in line]
+    assert len(rows) == 3 and "n=2" in rows[1] and "n=4" in rows[2]
+    assert "1000.0" in rows[2]  # four ranks' own latency, in us

@@ -12,7 +12,7 @@ from topomesh.layout.dims import Axis, Layout
 from topomesh.layout.place import place
 from topomesh.models.presets import get_preset
 from topomesh.sim.simulate import Simulator, Training, builtin_model
-from topomesh.trace.graph import CollectiveRecord
+from topomesh.trace.graph import CollectiveKind, CollectiveRecord, Phase
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,35 @@ def test_each_collective_on_the_compute_cores_pays_its_cost_after_compute(model,
     assert b.breakdown.compute_s == pytest.approx(a.breakdown.compute_s, rel=1e-12)
     gpu = load_cluster("dgx-h100", gpus=2)
     c = Simulator(model=model, cluster=dataclasses.replace(gpu, collective_in_step_s=((1e-12, 5e-4),))).simulate(
+        layout, training)
+    assert c.step_time_s == pytest.approx(Simulator(model=model, cluster=gpu).simulate(layout, training).step_time_s)
+
+
+@pytest.mark.parametrize("degrees, paid", [({"tp": 2}, True), ({"dp_shard": 2}, False)])
+def test_collectives_issued_as_functional_collectives_pay_their_premium(model, degrees, paid):
+    """A premium for every kind and dtype (flat in size) is paid once by each collective tensor
+    parallel issues (``_c10d_functional``), at the collective share, and by none of FSDP2's
+    plain c10d calls; on GPUs not at all."""
+    cpu_like = dataclasses.replace(load_cluster("dgx-h100", gpus=2), collectives_share_compute=True, cores=2,
+                                   threads_per_rank=1)
+    layout, training = Layout(**degrees), Training(global_batch=2)
+    sim = Simulator(model=model, cluster=cpu_like)
+    a = sim.simulate(layout, training)
+    premium = tuple((k.value, d, b, 3e-4) for k in CollectiveKind for d in ("bfloat16", "float32") for b in (8, 16))
+    b = Simulator(model=model, cluster=dataclasses.replace(cpu_like, functional_premium_s=premium)).simulate(
+        layout, training)
+    trace = sim.trace(layout, training)
+    full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+    functional = [e for e in full.events() if isinstance(e, CollectiveRecord) and e.group_size > 1
+                  and e.op.startswith("_c10d_functional.")]
+    assert bool(functional) is paid
+    micro = training.global_batch // (training.micro_batch * layout.world_size // layout.degree(Axis.TP))
+    once = sum(e.phase is Phase.OPTIMIZER for e in functional)  # the optimizer's run once a step
+    added = sum(b.breakdown.exposed_comm_s.values()) - sum(a.breakdown.exposed_comm_s.values())
+    calls = (len(functional) - once) * micro + once
+    assert added == pytest.approx(3e-4 * calls * cpu_like.collective_share(2), abs=1e-12)
+    gpu = load_cluster("dgx-h100", gpus=2)
+    c = Simulator(model=model, cluster=dataclasses.replace(gpu, functional_premium_s=premium)).simulate(
         layout, training)
     assert c.step_time_s == pytest.approx(Simulator(model=model, cluster=gpu).simulate(layout, training).step_time_s)
 

@@ -55,17 +55,22 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _model_rows(models: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per model, then one per group size fitted alone (``by_group``), named ``n=N``."""
     rows = []
     for m in models:
-        fe = m.get("fit_error") or {}
-        terms = m["terms"]
-        alpha = " / ".join(f"{t['alpha_us']:.1f}" for t in terms)
-        bw = " / ".join("link" if t["busbw_GBps"] is None else f"{t['busbw_GBps'] * t['bw_scale']:.3g}"
-                        for t in terms)
-        err = f"{fe['mean_rel'] * 100:.1f}% / {fe['max_rel'] * 100:.1f}%" if fe else "-"
-        pts = f"{fe['train_points']}+{fe['heldout_points']}" if fe else "-"
-        rows.append([m["collective"], m["link"], m["model"], alpha, bw, err, pts])
+        rows.append(_model_row(m, ""))
+        rows += [_model_row(g, f" n={g['group_size']}") for g in m.get("by_group") or ()]
     return rows
+
+
+def _model_row(m: dict[str, Any], suffix: str) -> list[str]:
+    fe = m.get("fit_error") or {}
+    terms = m["terms"]
+    alpha = " / ".join(f"{t['alpha_us']:.1f}" for t in terms)
+    bw = " / ".join("link" if t["busbw_GBps"] is None else f"{t['busbw_GBps'] * t['bw_scale']:.3g}" for t in terms)
+    err = f"{fe['mean_rel'] * 100:.1f}% / {fe['max_rel'] * 100:.1f}%" if fe else "-"
+    pts = f"{fe['train_points']}+{fe['heldout_points']}" if fe else "-"
+    return [m["collective"], m["link"], m["model"] + suffix, alpha, bw, err, pts]
 
 
 def _print_table(title: str, models: list[dict[str, Any]]) -> None:

@@ -521,6 +521,78 @@ def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, together
     return {str(gap): statistics.fmean(v) for gap, v in extra.items()} if me == teams[0][0] else None
 
 
+FUNCTIONAL_DTYPES = ("bfloat16", "float32")
+"""The dtypes :func:`measure_functional_premium` times (tensor parallel's activations, and float32)."""
+
+FUNCTIONAL_SMALL = 4 * KiB
+"""The small size :func:`measure_functional_premium` times besides :data:`IN_STEP_POINTS`' (a
+step's scalars and norms: tensor parallel's all-reduces of 0.5-1 KiB)."""
+
+
+def measure_functional_premium(ranks: Sequence[int], *, repeats: int = 100) -> dict[str, float] | None:
+    """How much longer a collective of two ranks of one host (the first two of ``ranks``) takes
+    issued as tensor parallel issues it than as the sweep times it: per ``"kind/dtype/bytes"``
+    of :data:`IN_STEP_POINTS` (and each kind at :data:`FUNCTIONAL_SMALL`) × :data:`FUNCTIONAL_DTYPES`,
+    a functional collective
+    (``torch.distributed._functional_collectives``, what DTensor calls) on an activation-shaped
+    tensor (1, tokens, 256), gathered or scattered along its tokens (dimension 1, as sequence
+    parallel's) and waited for at once, less the sweep's plain c10d call on a flat float32
+    buffer of the same bytes; both after a barrier and timed from the last rank's arrival
+    (:func:`_stamped_s`). Call on every rank of the world; returns on ``ranks[0]``, None on the
+    others.
+
+    Measured first (two gloo ranks, 2-vCPU Xeon, 2026-11-27; 128 KiB, after a barrier / after
+    1.5 ms of compute): a reduce-scatter as c10d on float32 0.33-0.60 / 0.83-0.97 ms, functional
+    on bfloat16 along dimension 1 0.91-0.97 / 1.39-1.45 ms; an all-gather 0.34-0.50 / 0.50-0.58
+    against 0.48-0.49 / 0.75-0.86. A real ``tp=2`` step's reduce-scatters took 1.41 ms and its
+    all-gathers 0.85 from the last arrival. DTensor's own host work around the call (its
+    redistribution plan, on a fake group: :func:`~topomesh.cost.dispatch.measure_dtensor_collective_s`)
+    is not in either call, and the functional wrapper's (tens of microseconds) is in both that
+    and this."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from topomesh.layout import groups as tm_groups
+
+    me = dist.get_rank()
+    pair = tuple(ranks[:2])
+    pg = tm_groups.new_group(pair)  # every rank makes it; None: the world
+    group = pg if pg is not None else dist.group.WORLD  # what functional collectives take
+    out: dict[str, float] = {}
+    if me in pair:
+        for kind, nbytes in [(k, b) for k, big in IN_STEP_POINTS for b in (FUNCTIONAL_SMALL, big)]:
+            inp, buf = _buffers(kind, nbytes, 2, "cpu")
+            plain = _op(kind, inp, buf, pg, pair, me)
+            for _ in range(3):
+                plain()
+            base = _stamped_s(plain, None, 0, repeats, pg)
+            for name in FUNCTIONAL_DTYPES:
+                dtype = getattr(torch, name)
+                tokens = max(2, nbytes // (256 * dtype.itemsize)) // 2 * 2
+                full = torch.ones(1, tokens, 256, dtype=dtype)
+                issue = _functional_op(funcol, kind, full, group)
+                for _ in range(3):
+                    issue()
+                out[f"{kind.value}/{name}/{nbytes}"] = _stamped_s(issue, None, 0, repeats, pg) - base
+    dist.barrier()
+    return out if me == pair[0] else None
+
+
+def _functional_op(funcol: Any, kind: CollectiveKind, full: Any, pg: Any) -> Callable[[], None]:
+    """``kind`` as DTensor issues it on ``full`` (an all-gather of its first half along dimension 1),
+    waited for."""
+    # torch 2.13 renamed them *_single (what DTensor calls there); older releases only have these
+    all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    if kind is CollectiveKind.ALL_GATHER:
+        half = full[:, : full.shape[1] // 2].contiguous()
+        return lambda: funcol.wait_tensor(all_gather(half, gather_dim=1, group=pg))
+    if kind is CollectiveKind.REDUCE_SCATTER:
+        return lambda: funcol.wait_tensor(reduce_scatter(full, "sum", scatter_dim=1, group=pg))
+    return lambda: funcol.wait_tensor(funcol.all_reduce(full, "sum", group=pg))
+
+
 def _stamped_s(fn: Callable[[], None], chain: Callable[[int], None] | None, k: int, repeats: int, pg: Any) -> float:
     """:func:`after_last_arrival` of ``repeats`` calls of ``fn`` on the ranks of ``pg`` (the
     same on each): each after a barrier (``chain`` None), else in a loop of [``fn()``,
@@ -593,9 +665,10 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     rows in ``samples``, in order, and per sweep in ``sweeps`` when it was measured, how many
     rows it holds, its compute stretch, its :func:`measure_collective_in_step` (two ranks,
     pairs of the host's ranks stepping together, all of them) and its
-    :func:`~topomesh.cost.pipeline.measure_pipeline_action`; ``compute_stretch``,
-    ``collective_in_step_s``, ``collective_in_step_pairs_s``, ``collective_in_step_node_s`` and
-    ``pipeline_action_s`` are the means of the sweeps'.
+    :func:`~topomesh.cost.pipeline.measure_pipeline_action` and :func:`measure_functional_premium`;
+    ``compute_stretch``, ``collective_in_step_s``, ``collective_in_step_pairs_s``,
+    ``collective_in_step_node_s``, ``pipeline_action_s`` and ``functional_premium_s`` are the
+    means of the sweeps'.
 
     >>> one = {"measured_at": "t1", "samples": [["all_reduce", "SHM", 2, 8, 1.0]],
     ...        "compute_stretch": {"2": 1.2}, "world_size": 2}
@@ -626,7 +699,8 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
             "collective_in_step_s": _mean_per_key([sw.get("collective_in_step_s") for sw in kept]) or None,
             "collective_in_step_pairs_s": _mean_per_key([sw.get("collective_in_step_pairs_s") for sw in kept]) or None,
             "collective_in_step_node_s": _mean_per_key([sw.get("collective_in_step_node_s") for sw in kept]) or None,
-            "pipeline_action_s": _mean_per_key([sw.get("pipeline_action_s") for sw in kept]) or None}, None
+            "pipeline_action_s": _mean_per_key([sw.get("pipeline_action_s") for sw in kept]) or None,
+            "functional_premium_s": _mean_per_key([sw.get("functional_premium_s") for sw in kept]) or None}, None
 
 
 def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
@@ -636,7 +710,8 @@ def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
             "collective_in_step_s": meta.get("collective_in_step_s"),
             "collective_in_step_pairs_s": meta.get("collective_in_step_pairs_s"),
             "collective_in_step_node_s": meta.get("collective_in_step_node_s"),
-            "pipeline_action_s": meta.get("pipeline_action_s")}
+            "pipeline_action_s": meta.get("pipeline_action_s"),
+            "functional_premium_s": meta.get("functional_premium_s")}
 
 
 def _mean_per_key(dicts: Sequence[Any]) -> dict[str, float]:
@@ -823,6 +898,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         in_step_pairs = measure_collective_in_step(local, together=True) if more else None
         in_step_node = measure_collective_in_step(local, count=len(local)) if more else None
         pipe = measure_pipeline_action(local) if pair else None
+        functional = measure_functional_premium(local) if pair else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
         rank_cpus: list[Any] = [None] * dist.get_world_size()
@@ -842,6 +918,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "collective_in_step_pairs_s": in_step_pairs,
             "collective_in_step_node_s": in_step_node,
             "pipeline_action_s": pipe,
+            "functional_premium_s": functional,
             "rank_cpus": rank_cpus,
             "measured_at": time.strftime(MEASURED_AT, time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],

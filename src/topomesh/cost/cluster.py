@@ -27,6 +27,7 @@ NIC, 25 GB/s; a group with all 8 ranks of each node gets all 8 NICs, 200 GB/s.)
 from __future__ import annotations
 
 import json
+import math
 import operator
 import socket
 from collections.abc import Sequence
@@ -73,6 +74,7 @@ from topomesh.topology.model import (
 from topomesh.topology.model import (
     Path as HostPath,
 )
+from topomesh.trace.graph import CollectiveKind
 
 GPUS_MAX = 1_048_576
 """Largest world a cluster is built for (2^20 ranks)."""
@@ -190,6 +192,12 @@ class Cluster:
     pipeline_multi_action_s: float = 0.0
     """As :attr:`pipeline_action_s`, for the schedules of several stages a rank (interleaved,
     zero-bubble, V): 0.17-0.21 ms here."""
+    functional_premium_s: tuple[tuple[str, str, int, float], ...] = ()
+    """Measured where collectives run on the computing cores (``local``): (collective, dtype,
+    bytes, seconds) a collective issued as a functional collective on an activation (what
+    DTensor, so tensor parallel, issues) takes more than the sweep's plain call
+    (:func:`topomesh.cost.calibrate.measure_functional_premium`); priced by
+    :meth:`functional_premium`. Empty: not measured (GPU presets; a profile from before it)."""
     rail_nics: np.ndarray = field(init=False, repr=False, compare=False)
     """Per host: NICs that some GPU of the host sends through (its rail; at least 1)."""
     ranks_on_host: np.ndarray = field(init=False, repr=False, compare=False)
@@ -320,6 +328,28 @@ class Cluster:
         gaps = [0.0, *(g for g, _ in points)]
         extra = [0.0, *(x for _, x in points)]
         return float(np.interp(gap_s, gaps, extra))
+
+    def functional_premium(self, kind: str, dtype: str, nbytes: int) -> float:
+        """:attr:`functional_premium_s` of ``kind`` on ``dtype`` (float32's where ``dtype`` was
+        not measured) at ``nbytes``: linear in bytes between the measured sizes, the nearest
+        one's outside them; 0 where the kind was not measured.
+
+        >>> import dataclasses
+        >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=2), functional_premium_s=(
+        ...     ("reduce_scatter", "bfloat16", 4096, 1e-4), ("reduce_scatter", "bfloat16", 12288, 5e-4),
+        ...     ("reduce_scatter", "float32", 4096, 2e-4)))
+        >>> [round(c.functional_premium("reduce_scatter", "bfloat16", b) * 1e6) for b in (512, 8192, 10**6)]
+        [100, 300, 500]
+        >>> round(c.functional_premium("reduce_scatter", "float16", 8192) * 1e6), c.functional_premium("all_gather", "float32", 8)
+        (200, 0.0)
+        """
+        points = [(b, x) for k, d, b, x in self.functional_premium_s if k == kind and d == dtype]
+        if not points:
+            points = [(b, x) for k, d, b, x in self.functional_premium_s if k == kind and d == "float32"]
+        if not points:
+            return 0.0
+        points.sort()
+        return float(np.interp(nbytes, [b for b, _ in points], [x for _, x in points]))
 
     @property
     def nodes(self) -> int:
@@ -487,6 +517,25 @@ def local_profile(directory: Path | None = None, hostname: str | None = None) ->
     return prof, path
 
 
+def _premium_points(raw: Any) -> tuple[tuple[str, str, int, float], ...]:
+    """``meta.functional_premium_s`` (``{"kind/dtype/bytes": seconds}``) as points; an entry that
+    is not a known collective, a dtype name, a positive size and seconds under 0.1 either way is
+    dropped.
+
+    >>> _premium_points({"all_gather/bfloat16/4096": 2e-4, "all_gather/bf16/x": 1.0, "nope/float32/8": 0.0})
+    (('all_gather', 'bfloat16', 4096, 0.0002),)
+    """
+    out = []
+    kinds = {k.value for k in CollectiveKind}
+    for key, v in (raw.items() if isinstance(raw, dict) else ()):
+        parts = str(key).split("/")
+        if (len(parts) == 3 and parts[0] in kinds and parts[1].isidentifier() and parts[2].isdigit()
+                and int(parts[2]) > 0 and isinstance(v, int | float) and not isinstance(v, bool)
+                and math.isfinite(v) and abs(v) < 0.1):
+            out.append((parts[0], parts[1], int(parts[2]), float(v)))
+    return tuple(sorted(out))
+
+
 def _in_step_points(raw: Any) -> tuple[tuple[float, float], ...]:
     """``meta.collective_in_step_s`` (``{"gap seconds": extra seconds}``) as sorted points; a
     point that is not a gap in (0, 1] s with an extra under 0.1 s either way is dropped.
@@ -579,7 +628,8 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    collective_in_step_s=in_step if n > 1 else (), collective_in_step_node_s=in_step_node,
                    collective_in_step_pairs_s=in_step_pairs,
                    pipeline_action_s=_action_seconds(pipe, "single"),
-                   pipeline_multi_action_s=_action_seconds(pipe, "multi"))
+                   pipeline_multi_action_s=_action_seconds(pipe, "multi"),
+                   functional_premium_s=_premium_points(prof.meta.get("functional_premium_s")) if n > 1 else ())
 
 
 # ------------------------------------------------------------------ topology files

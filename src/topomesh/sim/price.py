@@ -281,7 +281,9 @@ class Pricer:
 
     def comm(self, rec: CollectiveRecord, gap_s: float = 0.0) -> Comm:
         """``rec`` priced on its link; on the compute cores (gloo), after ``gap_s`` seconds of
-        compute: its calibrated time at the share of the cores the node's other ranks leave it
+        compute: its calibrated time (and, issued as a functional collective, what that costs
+        more: :meth:`~topomesh.cost.cluster.Cluster.functional_premium`) at the share of the
+        cores the node's other ranks leave it
         (:meth:`~topomesh.cost.cluster.Cluster.collective_share`), and what it costs more after
         that compute (:meth:`~topomesh.cost.cluster.Cluster.in_step_extra_s`)."""
         link = self.link_of(rec.mesh_axis or "")
@@ -289,6 +291,8 @@ class Pricer:
         if self.cluster.collectives_share_compute:
             c = self.cluster
             ranks = link.ranks_per_node  # the group's on one node
+            if rec.op.startswith(FUNCTIONAL):  # as DTensor issues it, not as the sweep did
+                seconds += c.functional_premium(rec.kind.value, rec.dtype, rec.bytes)
             seconds = max(0.0, seconds * c.collective_share(ranks) + c.in_step_extra_s(gap_s, ranks))
         return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds,
                     role=param_role(rec))
