@@ -76,6 +76,9 @@ def test_a_stages_own_ranks_keep_their_lock_step_stretch():
     unmeasured = dataclasses.replace(cluster, compute_stretches=())  # lock-step stretch unknown: the share of cores
     assert shared_pipeline(plans, actions, [0, 1], 0.0, unmeasured, ranks_per_stage=2).step_time_s == pytest.approx(
         6.0, rel=1e-3)
+    # replicas (two a stage that never meet in its layers): plain processor sharing, 6.0 s
+    replicas = shared_pipeline(plans, actions, [0, 1], 0.0, cluster, ranks_per_stage=2, lock_step_ranks=1)
+    assert replicas.step_time_s == pytest.approx(6.0, rel=1e-3)
 
 
 def test_ranks_that_overlap_share_the_core():
@@ -122,6 +125,13 @@ def test_the_local_cluster_prices_pipelines_so(monkeypatch):
     alone = Simulator(model=model, cluster=gpu).simulate(Layout(pp=2), training)
     one_core = Simulator(model=model, cluster=dataclasses.replace(gpu, cores=1, threads_per_rank=1)).simulate(
         Layout(pp=2), training)
-    assert calls == [{"ranks_per_stage": 1, "record": False, "late_receives": True}]  # 1F1B posts receives late
+    assert calls == [{"ranks_per_stage": 1, "lock_step_ranks": 1, "record": False,
+                      "late_receives": True}]  # 1F1B posts receives late
+    # a stage's replicas do not meet at its layers: two a stage, none of them lock-step
+    calls.clear()
+    four = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1)
+    Simulator(model=model, cluster=four).simulate(Layout(pp=2, dp_replicate=2), training)
+    Simulator(model=model, cluster=four).simulate(Layout(pp=2, tp=2), training)
+    assert [(k["ranks_per_stage"], k["lock_step_ranks"]) for k in calls] == [(2, 1), (2, 2)]
     # two ranks on one core: never faster than each alone, never slower than lock-step at share 2
     assert alone.step_time_s < one_core.step_time_s < 2 * alone.step_time_s

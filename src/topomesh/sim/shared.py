@@ -24,7 +24,10 @@ Where a stage has several ranks (``pp=2,tp=2``: a tensor-parallel pair a stage),
 at every layer's collective: their compute keeps the measured lock-step stretch of that many
 ranks (:meth:`~topomesh.cost.cluster.Cluster.lock_step_stretch`, 1.12 for two here) over their
 own core share, on top of the sharing with the other stages' ranks. A pair alone on the two
-cores computes at 1.12 times one rank's time, not 1.0.
+cores computes at 1.12 times one rank's time, not 1.0. A stage's replicas (``dp_replicate``)
+meet only at the gradients' reduction, not in its layers, so they keep no such stretch: with it
+``pp=2,dp_replicate=2`` was priced 16-26 % over its runs (GPipe and 1F1B), whose steps took
+twice a rank's CPU time, the cores kept busy; without it GPipe +3.6 %.
 """
 
 from __future__ import annotations
@@ -82,14 +85,17 @@ class _BusyClock:
 
 
 def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Action]], stage_rank: Sequence[int],
-                    p2p_s: float, cluster: Cluster, *, ranks_per_stage: int, record: bool = False,
-                    late_receives: bool = False) -> EngineResult:
+                    p2p_s: float, cluster: Cluster, *, ranks_per_stage: int, lock_step_ranks: int | None = None,
+                    record: bool = False, late_receives: bool = False) -> EngineResult:
     """The engine's run with each action stretched by the ranks busy while it runs (see the
     module docstring). ``plans`` are priced lock-step, as :class:`~topomesh.sim.price.Pricer`
-    prices them on ``cluster``."""
+    prices them on ``cluster``. ``lock_step_ranks``: how many of a stage's ranks meet at its
+    layers' collectives (default all of them; a stage's replicas, ``dp_replicate``, meet only
+    at the gradients' reduction, so each group of them steps on its own)."""
     full_compute, full_comm = cluster.compute_share, cluster.core_share
-    # a stage's own ranks meet at its collectives: their lock-step stretch on top of the sharing
-    lock = cluster.lock_step_stretch(ranks_per_stage) / cluster.cores_share_at(ranks_per_stage)
+    # a stage's ranks that meet at its collectives: their lock-step stretch on top of the sharing
+    meet = ranks_per_stage if lock_step_ranks is None else lock_step_ranks
+    lock = cluster.lock_step_stretch(meet) / cluster.cores_share_at(meet)
     scale: dict[ActionKey, tuple[float, float]] = {}
     run = simulate_pipeline(plans, actions, stage_rank, p2p_s, late_receives=late_receives)
     for _ in range(ROUNDS):

@@ -403,6 +403,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             from topomesh.sim.shared import shared_pipeline
 
             run = shared_pipeline(plans, actions, stage_rank, p2p_s, cluster, ranks_per_stage=layout.world_size // pp,
+                                  lock_step_ranks=layout.world_size // pp // layout.degree(Axis.DP_REPLICATE),
                                   record=record, late_receives=schedule.receives_at_action)
         else:
             run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True,
