@@ -111,7 +111,7 @@ def test_cli_local_json_and_bad_input(tmp_path, capsys):
     # a second launch's sweep pooled with the first: both sweeps' rows, one fit over them
     first = json.loads(out.read_text())["meta"]
     # the two ranks timed their functional collectives against the plain ones: every kind, size, dtype
-    assert len(first["functional_premium_s"]) == 12 and all(abs(v) < 0.1 for v in first["functional_premium_s"].values())
+    assert len(first["functional_premium_s"]) == 16 and all(abs(v) < 0.1 for v in first["functional_premium_s"].values())
     assert main(["calibrate", "--local", "2", "--json", "--min-bytes", str(64 * 1024), "--max-bytes", str(2**24),
                  "--factor", "4", "--collectives", "broadcast", "--output", str(out), "--pool", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["sweeps"] == 2
@@ -287,7 +287,8 @@ def test_the_functional_premium_is_the_functional_call_less_the_plain_one(monkey
     """Faked stamps: the sweep's plain call 1.0 ms after the last arrival, a functional one
     1.0 ms + 1 us per KiB of the tensor it is handed (so the premium grows with size, by hand:
     4 KiB 4 us, 128 KiB 64 us for an all-gather's half, 128 us for the others); every kind
-    at the small size and its in-step size, in both dtypes; rank 2 is not in the pair."""
+    (the in-step points' and the all-to-all) at the small size and its own, in both dtypes;
+    rank 2 is not in the pair."""
     import torch.distributed as dist
 
     from topomesh.cost import calibrate
@@ -318,10 +319,10 @@ def test_the_functional_premium_is_the_functional_call_less_the_plain_one(monkey
         assert got is None and issued == []
         return
     if me == 1:
-        assert got is None and len(issued) == 12
+        assert got is None and len(issued) == 16  # four kinds, two sizes, two dtypes
         return
     want = {}
-    for kind, big in calibrate.IN_STEP_POINTS:
+    for kind, big in calibrate.FUNCTIONAL_POINTS:
         for dtype in ("bfloat16", "float32"):
             for nbytes in (4096, big):
                 want[f"{kind.value}/{dtype}/{nbytes}"] = pytest.approx(

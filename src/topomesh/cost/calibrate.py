@@ -524,6 +524,10 @@ def measure_collective_in_step(ranks: Sequence[int], *, count: int = 2, together
 FUNCTIONAL_DTYPES = ("bfloat16", "float32")
 """The dtypes :func:`measure_functional_premium` times (tensor parallel's activations, and float32)."""
 
+FUNCTIONAL_POINTS = (*IN_STEP_POINTS, (CollectiveKind.ALL_TO_ALL, 128 * KiB))
+"""(collective, bytes of the full buffer) :func:`measure_functional_premium` times: the in-step
+points and expert parallel's all-to-all of tokens."""
+
 FUNCTIONAL_SMALL = 4 * KiB
 """The small size :func:`measure_functional_premium` times besides :data:`IN_STEP_POINTS`' (a
 step's scalars and norms: tensor parallel's all-reduces of 0.5-1 KiB)."""
@@ -531,12 +535,12 @@ step's scalars and norms: tensor parallel's all-reduces of 0.5-1 KiB)."""
 
 def measure_functional_premium(ranks: Sequence[int], *, repeats: int = 100) -> dict[str, float] | None:
     """How much longer a collective of two ranks of one host (the first two of ``ranks``) takes
-    issued as tensor parallel issues it than as the sweep times it: per ``"kind/dtype/bytes"``
-    of :data:`IN_STEP_POINTS` (and each kind at :data:`FUNCTIONAL_SMALL`) × :data:`FUNCTIONAL_DTYPES`,
-    a functional collective
+    issued as tensor and expert parallel issue it than as the sweep times it: per
+    ``"kind/dtype/bytes"`` of :data:`FUNCTIONAL_POINTS` (and each kind at :data:`FUNCTIONAL_SMALL`)
+    × :data:`FUNCTIONAL_DTYPES`, a functional collective
     (``torch.distributed._functional_collectives``, what DTensor calls) on an activation-shaped
     tensor (1, tokens, 256), gathered or scattered along its tokens (dimension 1, as sequence
-    parallel's) and waited for at once, less the sweep's plain c10d call on a flat float32
+    parallel's; an all-to-all of its rows, as expert parallel's) and waited for at once, less the sweep's plain c10d call on a flat float32
     buffer of the same bytes; both after a barrier and timed from the last rank's arrival
     (:func:`_stamped_s`). Call on every rank of the world; returns on ``ranks[0]``, None on the
     others.
@@ -561,7 +565,7 @@ def measure_functional_premium(ranks: Sequence[int], *, repeats: int = 100) -> d
     group = pg if pg is not None else dist.group.WORLD  # what functional collectives take
     out: dict[str, float] = {}
     if me in pair:
-        for kind, nbytes in [(k, b) for k, big in IN_STEP_POINTS for b in (FUNCTIONAL_SMALL, big)]:
+        for kind, nbytes in [(k, b) for k, big in FUNCTIONAL_POINTS for b in (FUNCTIONAL_SMALL, big)]:
             inp, buf = _buffers(kind, nbytes, 2, "cpu")
             plain = _op(kind, inp, buf, pg, pair, me)
             for _ in range(3):
@@ -590,6 +594,9 @@ def _functional_op(funcol: Any, kind: CollectiveKind, full: Any, pg: Any) -> Cal
         return lambda: funcol.wait_tensor(all_gather(half, gather_dim=1, group=pg))
     if kind is CollectiveKind.REDUCE_SCATTER:
         return lambda: funcol.wait_tensor(reduce_scatter(full, "sum", scatter_dim=1, group=pg))
+    if kind is CollectiveKind.ALL_TO_ALL:  # expert parallel's: tokens (rows) split evenly
+        rows = full.reshape(-1, full.shape[-1])
+        return lambda: funcol.wait_tensor(funcol.all_to_all_single(rows, None, None, group=pg))
     return lambda: funcol.wait_tensor(funcol.all_reduce(full, "sum", group=pg))
 
 
