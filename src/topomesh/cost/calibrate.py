@@ -529,7 +529,7 @@ FUNCTIONAL_POINTS = (*IN_STEP_POINTS, (CollectiveKind.ALL_TO_ALL, 128 * KiB))
 points and expert parallel's all-to-all of tokens."""
 
 FUNCTIONAL_SMALL = 4 * KiB
-"""The small size :func:`measure_functional_premium` times besides :data:`IN_STEP_POINTS`' (a
+"""The small size :func:`measure_functional_premium` times besides :data:`FUNCTIONAL_POINTS`' (a
 step's scalars and norms: tensor parallel's all-reduces of 0.5-1 KiB)."""
 
 
@@ -540,10 +540,11 @@ def measure_functional_premium(ranks: Sequence[int], *, repeats: int = 100) -> d
     × :data:`FUNCTIONAL_DTYPES`, a functional collective
     (``torch.distributed._functional_collectives``, what DTensor calls) on an activation-shaped
     tensor (1, tokens, 256), gathered or scattered along its tokens (dimension 1, as sequence
-    parallel's; an all-to-all of its rows, as expert parallel's) and waited for at once, less the sweep's plain c10d call on a flat float32
-    buffer of the same bytes; both after a barrier and timed from the last rank's arrival
-    (:func:`_stamped_s`). Call on every rank of the world; returns on ``ranks[0]``, None on the
-    others.
+    parallel's; an all-to-all of its rows, as expert parallel's) and waited for at once, less
+    the sweep's plain c10d call on a flat float32 buffer of the same bytes (the bytes a trace's
+    record holds: :class:`~topomesh.trace.graph.CollectiveRecord`); both after a barrier and
+    timed from the last rank's arrival (:func:`_stamped_s`). Call on every rank of the world;
+    returns on ``ranks[0]``, None on the others.
 
     Measured first (two gloo ranks, 2-vCPU Xeon, 2026-11-27; 128 KiB, after a barrier / after
     1.5 ms of compute): a reduce-scatter as c10d on float32 0.33-0.60 / 0.83-0.97 ms, functional
