@@ -127,11 +127,12 @@ def test_the_local_cluster_prices_pipelines_so(monkeypatch):
         Layout(pp=2), training)
     assert calls == [{"ranks_per_stage": 1, "lock_step_ranks": 1, "record": False,
                       "late_receives": True}]  # 1F1B posts receives late
-    # a stage's replicas do not meet at its layers: two a stage, none of them lock-step
+    # a stage's data-parallel ranks do not meet in its layers: two a stage, none of them lock-step
     calls.clear()
     four = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1)
     Simulator(model=model, cluster=four).simulate(Layout(pp=2, dp_replicate=2), training)
     Simulator(model=model, cluster=four).simulate(Layout(pp=2, tp=2), training)
-    assert [(k["ranks_per_stage"], k["lock_step_ranks"]) for k in calls] == [(2, 1), (2, 2)]
+    Simulator(model=model, cluster=four).simulate(Layout(pp=2, dp_shard=2), training)  # FSDP: first F, last B only
+    assert [(k["ranks_per_stage"], k["lock_step_ranks"]) for k in calls] == [(2, 1), (2, 2), (2, 1)]
     # two ranks on one core: never faster than each alone, never slower than lock-step at share 2
     assert alone.step_time_s < one_core.step_time_s < 2 * alone.step_time_s

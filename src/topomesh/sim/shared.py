@@ -24,10 +24,11 @@ Where a stage has several ranks (``pp=2,tp=2``: a tensor-parallel pair a stage),
 at every layer's collective: their compute keeps the measured lock-step stretch of that many
 ranks (:meth:`~topomesh.cost.cluster.Cluster.lock_step_stretch`, 1.12 for two here) over their
 own core share, on top of the sharing with the other stages' ranks. A pair alone on the two
-cores computes at 1.12 times one rank's time, not 1.0. A stage's replicas (``dp_replicate``)
-meet only at the gradients' reduction, not in its layers, so they keep no such stretch: with it
-``pp=2,dp_replicate=2`` was priced 16-26 % over its runs (GPipe and 1F1B), whose steps took
-twice a rank's CPU time, the cores kept busy; without it GPipe +3.6 %.
+cores computes at 1.12 times one rank's time, not 1.0. A stage's data-parallel ranks meet only
+where FSDP gathers (its first forward) and reduces (its last backward), so they keep no such
+stretch (:func:`~topomesh.sim.simulate.meeting_ranks`): with it ``pp=2,dp_replicate=2`` was
+priced 16-26 % over its runs (GPipe and 1F1B), whose steps took twice a rank's CPU time, the
+cores kept busy; without it GPipe +3.6 %.
 """
 
 from __future__ import annotations
@@ -89,9 +90,8 @@ def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Actio
                     record: bool = False, late_receives: bool = False) -> EngineResult:
     """The engine's run with each action stretched by the ranks busy while it runs (see the
     module docstring). ``plans`` are priced lock-step, as :class:`~topomesh.sim.price.Pricer`
-    prices them on ``cluster``. ``lock_step_ranks``: how many of a stage's ranks meet at its
-    layers' collectives (default all of them; a stage's replicas, ``dp_replicate``, meet only
-    at the gradients' reduction, so each group of them steps on its own)."""
+    prices them on ``cluster``. ``lock_step_ranks``: how many of a stage's ranks meet in every
+    micro-batch (default all of them; :func:`~topomesh.sim.simulate.meeting_ranks`)."""
     full_compute, full_comm = cluster.compute_share, cluster.core_share
     # a stage's ranks that meet at its collectives: their lock-step stretch on top of the sharing
     meet = ranks_per_stage if lock_step_ranks is None else lock_step_ranks
