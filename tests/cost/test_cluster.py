@@ -281,6 +281,21 @@ def test_local_takes_the_collectives_cost_after_compute_where_it_is_sane(tmp_pat
     assert load_cluster("local", gpus=1).collective_in_step_s == ()  # one rank issues no collective
 
 
+def test_local_takes_the_functional_premium_where_it_is_sane(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
+    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
+                   functional_premium_s={"reduce_scatter/bfloat16/4096": 1e-4, "reduce_scatter/bfloat16/131072": 5e-4,
+                                         "reduce_scatter/bf16/x": 1e-4, "gather/float32/8": 1e-4,
+                                         "all_gather/float32/8": 5.0})  # no size, no collective, 5 s: dropped
+    two = load_cluster("local", gpus=2)
+    assert two.functional_premium_s == (("reduce_scatter", "bfloat16", 4096, 1e-4),
+                                        ("reduce_scatter", "bfloat16", 131072, 5e-4))
+    # half way in bytes, half way in seconds (by hand: 1e-4 + (5e-4 - 1e-4) / 2)
+    assert two.functional_premium("reduce_scatter", "bfloat16", (4096 + 131072) // 2) == pytest.approx(3e-4)
+    assert load_cluster("local", gpus=1).functional_premium_s == ()  # one rank issues no collective
+
+
 def test_local_takes_a_whole_nodes_collectives_cost_only_for_as_many_ranks_as_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
