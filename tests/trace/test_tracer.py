@@ -501,3 +501,44 @@ def test_gradients_are_the_ones_backward_makes() -> None:
     assert t.block_state.grads == t.block_state.params and t.last_state.grads == t.last_state.params
     one = _trace("tiny-llama", ())
     assert one.first_state.grads == one.first_state.params == table
+
+
+def test_fsdp_hooks_are_the_innermost_fsdp_label() -> None:
+    """Each op carries the innermost ``FSDP::`` ``record_function`` label around it, its first
+    word less the prefix; labels of anything else are passed over, not nested into."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from topomesh.trace.tracer import fsdp_hooks
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.profiler.record_function("FSDP::pre_forward (layers.0)"):
+            y = x * 2
+            with torch.autograd.profiler.record_function("FSDP::backward_prefetch for layers.1"):
+                z = y + 1
+            with torch.autograd.profiler.record_function("Optimizer.step#AdamW.step"):
+                w = z - 1
+        return w.sin()
+
+    gm = make_fx(f)(torch.ones(3))
+    got = {str(n.target): hook for n, hook in fsdp_hooks(gm).items()}
+    assert got == {"aten.mul.Tensor": "pre_forward", "aten.add.Tensor": "backward_prefetch",
+                   "aten.sub.Tensor": "pre_forward"}
+
+
+def test_fsdp_unsharding_and_reduction_ops_carry_their_hooks() -> None:
+    """A replicate-only FSDP2 unit (mixed precision) casts its parameters to bfloat16 in its
+    pre-forward and pre-backward, and copies its gradients into the all-reduce (the cast to
+    float32 with them) in its post-backward: those ops say so; the model's own ops, the cast of
+    a unit's inputs, and the optimizer's do not."""
+    cfg = get_preset("tiny-llama")
+    opts = ParallelOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    t = trace_step(transformer_spec(cfg), make_parallelize(opts), {"dp_replicate": 2}, n_layers=cfg.n_layers,
+                   batch_size=B, dtype=torch.float32)
+    ops = [e for e in t.events() if isinstance(e, OpRecord)]
+    hooked = Counter((e.phase, e.hook, e.op) for e in ops if e.hook)
+    casts = [e for e in ops if e.hook == "pre_forward" and e.op == "aten._to_copy.default"]
+    assert casts and {(e.inputs[0].dtype, e.outputs[0].dtype) for e in casts} == {("float32", "bfloat16")}
+    assert hooked[(Phase.BACKWARD, "pre_backward", "aten._to_copy.default")] == len(casts)
+    assert hooked[(Phase.BACKWARD, "post_backward_reduce", "fsdp.chunk_cat.default")] >= 1
+    assert not [e for e in ops if e.hook and e.phase is Phase.OPTIMIZER]
+    assert not [e for e in ops if e.hook and e.op in ("aten.mm.default", "aten.addcdiv_.default")]

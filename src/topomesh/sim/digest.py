@@ -39,7 +39,7 @@ from topomesh.trace import codec
 from topomesh.trace.cache import load_document, write_document
 from topomesh.trace.graph import CollectiveRecord
 
-DIGEST_FORMAT = 5
+DIGEST_FORMAT = 6
 """Part of every digest key and file; raised when :class:`ClassDigest` changes shape."""
 FILE_FORMAT = "topomesh-digest"
 MAX_RECORDS = 1_000_000

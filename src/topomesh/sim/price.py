@@ -102,6 +102,16 @@ class Work:
     models each multiplies by a weight (attention runs fused) — whose gradients a zero-bubble
     schedule's I keeps for its W (``stage_backward_input`` stores the gradient at each node
     that leads to a weight)."""
+    gather_s: float = 0.0
+    """Of :attr:`compute_s`: what unsharding the piece's parameters costs the computing thread
+    (the ops FSDP2 runs to gather or cast them, :func:`op_role` ``"gather"``, and its host work
+    per all-gather), which a pipeline stage's later micro-batches do not run."""
+    reduce_s: float = 0.0
+    """Of :attr:`compute_s`: what reducing the piece's gradients costs the computing thread
+    (FSDP2's copies into and out of the reduction, :func:`op_role` ``"reduce"``), which a
+    pipeline stage runs in its last backward only. Not FSDP2's host work per unit
+    (:attr:`Cluster.fsdp_reduce_s <topomesh.cost.cluster.Cluster.fsdp_reduce_s>`, booked on the
+    unit's reduction): its hooks run in every forward and backward."""
 
     @property
     def empty(self) -> bool:
@@ -114,6 +124,7 @@ class Work:
             return tuple(dataclasses.replace(c, seconds=c.seconds * comm) for c in comms)
 
         return dataclasses.replace(self, compute_s=self.compute_s * compute, weight_grad_s=self.weight_grad_s * compute,
+                                   gather_s=self.gather_s * compute, reduce_s=self.reduce_s * compute,
                                    blocking=each(self.blocking), gather=each(self.gather), reduce=each(self.reduce))
 
 
@@ -257,6 +268,35 @@ def param_role(rec: CollectiveRecord) -> str:
     return "gather" if rec.kind is CollectiveKind.ALL_GATHER else "reduce"
 
 
+GATHER_HOOKS = frozenset({"pre_forward", "pre_backward", "all_gather", "all_gather_copy_in", "all_gather_copy_out",
+                          "forward_prefetch", "backward_prefetch"})
+"""FSDP2 hooks (:attr:`OpRecord.hook <topomesh.trace.graph.OpRecord.hook>`) whose ops unshard
+parameters: the all-gather's copy-in and copy-out, a replicate-only unit's cast of its
+parameters to the compute dtype. Under a pipeline they run in a stage's first forward only:
+PyTorch's stage keeps its parameters unsharded for the step (torchtitan's
+``reshard_after_forward`` off, as ``topomesh validate`` runs it). Not ``cast_forward_inputs``,
+the cast of a unit's inputs, which every forward runs."""
+REDUCE_HOOKS = frozenset({"post_backward_reduce"})
+"""FSDP2 hooks whose ops reduce gradients: the copy into the reduction's buffer (with its cast
+to the reduce dtype) and the copy of its result into the sharded gradient. Under a pipeline a
+stage runs them in its last backward only (``PipelineStage.backward_maybe_with_nosync``)."""
+
+
+def op_role(rec: OpRecord) -> str:
+    """``"gather"`` or ``"reduce"`` for an op FSDP2 runs to unshard parameters or to reduce
+    gradients (:data:`GATHER_HOOKS`, :data:`REDUCE_HOOKS`), as :func:`param_role` sorts their
+    collectives, else ``""``.
+
+    >>> from topomesh.trace.graph import OpRecord
+    >>> [op_role(OpRecord(op="aten.copy_.default", inputs=(), outputs=(), hook=h))
+    ...  for h in ("pre_forward", "all_gather_copy_out", "post_backward_reduce", "cast_forward_inputs", "")]
+    ['gather', 'gather', 'reduce', '', '']
+    """
+    if rec.hook in GATHER_HOOKS:
+        return "gather"
+    return "reduce" if rec.hook in REDUCE_HOOKS else ""
+
+
 class Pricer:
     """Prices records on one cluster and placement, each distinct op signature once."""
 
@@ -308,6 +348,7 @@ class Pricer:
         by how they run (the same on every placement, so :func:`price_trace` keeps it per trace)."""
         drop = Counter(exclude or ())
         compute = weight = 0.0
+        role_s = {"gather": 0.0, "reduce": 0.0, "": 0.0}  # of compute: FSDP2's unsharding and reduction
         flops = saved = peak = gathered = reduced = made = measured = roofline = weight_out = 0
         blocking: list[CollectiveRecord] = []
         gather: list[CollectiveRecord] = []
@@ -348,15 +389,18 @@ class Pricer:
                         roofline += 1
                     compute += s
                     since += s
+                    role_s[op_role(e)] += s
                     flops += e.flops
                     if matmul_grad:
                         weight += s / 2
                 elif e.group_size > 1:
+                    role = param_role(e)
                     if host:
                         h = self._host_s(e)
                         compute += h
                         since += h
-                    role = param_role(e)
+                        if role == "gather":  # a unit's hooks (Cluster.fsdp_reduce_s) run every micro-batch
+                            role_s[role] += h
                     gathered += e.bytes if role == "gather" else 0
                     reduced += e.bytes if role == "reduce" else 0
                     if shared or not role:
@@ -368,7 +412,9 @@ class Pricer:
                         (gather if role == "gather" else reduce).append(e)
         extra = [e for e in extra_gather if isinstance(e, CollectiveRecord) and e.group_size > 1]
         if host:
-            compute += sum(self._host_s(e) for e in extra)  # prefetched here
+            prefetched = sum(self._host_s(e) for e in extra)  # prefetched here
+            compute += prefetched
+            role_s["gather"] += prefetched
         (blocking if shared else gather).extend(extra)
         gathered += sum(e.bytes for e in extra)
         gaps = _wrapped_gaps(gaps, since, len(extra)) if shared else []
@@ -379,7 +425,8 @@ class Pricer:
                       reduce=tuple(reduce),
                       flops=flops, weight_grad_s=weight, saved_bytes=saved, peak_output_bytes=peak,
                       weight_output_bytes=weight_out,
-                      gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline)
+                      gather_bytes=gathered, reduce_bytes=reduced, measured=measured, roofline=roofline,
+                      gather_s=role_s["gather"], reduce_s=role_s["reduce"])
 
     def _host_s(self, e: CollectiveRecord) -> float:
         """:func:`collective_host_s` at the cluster's compute share."""
@@ -398,7 +445,7 @@ class Pricer:
                     gather=tuple(self.comm(e) for e in d.gather), reduce=tuple(self.comm(e) for e in d.reduce),
                     flops=d.flops, weight_grad_s=d.weight_grad_s, saved_bytes=d.saved_bytes,
                     peak_output_bytes=d.peak_output_bytes, gather_bytes=d.gather_bytes, reduce_bytes=d.reduce_bytes,
-                    weight_output_bytes=d.weight_output_bytes)
+                    weight_output_bytes=d.weight_output_bytes, gather_s=d.gather_s, reduce_s=d.reduce_s)
 
 
 class SymbolicPricer(Pricer):
@@ -446,6 +493,10 @@ class Digest:
     ``blocking`` (:func:`_wrapped_gaps`); empty otherwise."""
     weight_output_bytes: int = 0
     """:attr:`Work.weight_output_bytes`."""
+    gather_s: float = 0.0
+    """:attr:`Work.gather_s`."""
+    reduce_s: float = 0.0
+    """:attr:`Work.reduce_s`."""
 
 
 def _wrapped_gaps(gaps: list[float], tail: float, prefetched: int) -> list[float]:
@@ -487,7 +538,8 @@ def _per_block(work: Work, n: int) -> Work:
                 reduce=each(work.reduce), flops=work.flops // n, weight_grad_s=work.weight_grad_s / n,
                 saved_bytes=work.saved_bytes // n, peak_output_bytes=work.peak_output_bytes,
                 gather_bytes=work.gather_bytes // n, reduce_bytes=work.reduce_bytes // n,
-                weight_output_bytes=work.weight_output_bytes // n)
+                weight_output_bytes=work.weight_output_bytes // n, gather_s=work.gather_s / n,
+                reduce_s=work.reduce_s / n)
 
 
 def collective_axes(trace: Trace) -> tuple[str, ...]:

@@ -496,9 +496,13 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
                                    backward_weight_early=added_w, backward_weight_last=added_w)
 
     def strip(pieces: tuple[Piece, ...], what: str) -> tuple[Piece, ...]:
-        # where collectives share the compute cores they are all booked blocking: drop by role
-        return tuple(dataclasses.replace(pc, work=dataclasses.replace(
-            pc.work, **{what: ()}, blocking=tuple(c for c in pc.work.blocking if c.role != what))) for pc in pieces)
+        # the collectives of a role (where they share the compute cores they are all booked
+        # blocking) and the ops and host work FSDP2 runs around them (Work.gather_s, reduce_s)
+        def without(w: Work) -> Work:
+            own = getattr(w, f"{what}_s")
+            return dataclasses.replace(w, **{what: (), f"{what}_s": 0.0}, compute_s=max(0.0, w.compute_s - own),
+                                       blocking=tuple(c for c in w.blocking if c.role != what))
+        return tuple(dataclasses.replace(pc, work=without(pc.work)) for pc in pieces)
 
     backward = strip(plan.backward, "gather")
     quiet = strip(backward, "reduce")
@@ -506,9 +510,10 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
     plan = dataclasses.replace(
         plan, backward=backward, backward_input=strip(plan.backward_input, "gather"),
         forward_later=strip(plan.forward, "gather"),
-        backward_first=quiet, backward_early=_accumulating(p, quiet, pipelined=True),
+        backward_first=_casting(p, quiet), backward_early=_accumulating(p, quiet, pipelined=True),
         backward_last=_accumulating(p, backward, pipelined=True),
-        backward_weight_first=quiet_w, backward_weight_early=_accumulating(p, quiet_w, pipelined=True),
+        backward_weight_first=_casting(p, quiet_w),
+        backward_weight_early=_accumulating(p, quiet_w, pipelined=True),
         backward_weight_last=_accumulating(p, plan.backward_weight, pipelined=True))
     if not action_s:
         return plan
@@ -535,8 +540,8 @@ def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool)
     and sharding; FSDP2 reduces each micro-batch's and adds the shard), new ones alike; under
     a pipeline with FSDP each unit's unsharded gradient in the reduce dtype (the reduction's
     input, ``reduce_bytes``) and new ones in the dtype the parameters are gathered in
-    (``gather_bytes``): float32 += bfloat16 under mixed precision. FSDP2's first cast of the
-    new gradients to the reduce dtype (the step's first backward) is not counted."""
+    (``gather_bytes``): float32 += bfloat16 under mixed precision. The first backward's cast
+    of them to the reduce dtype is :func:`_casting`'s."""
     state = {"embed": p.first_state, "block": p.block_state, "head": p.last_state}
     out = []
     for pc in pieces:
@@ -546,6 +551,23 @@ def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool)
         else:
             add_s = 3 * state[pc.label.split()[0]].grads * p.grad_add_s_per_byte
         out.append(dataclasses.replace(pc, work=dataclasses.replace(w, compute_s=w.compute_s + add_s)))
+    return tuple(out)
+
+
+def _casting(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
+    """A pipeline stage's first backward ``pieces`` (FSDP2 without gradient sync) with FSDP2's
+    cast of each unit's new gradients to the reduce dtype, which it keeps and adds the later
+    micro-batches' into (``FSDPParam.to_accumulated_grad_if_needed``): a read of the new
+    gradients (``gather_bytes``, the compute dtype) and a write of the kept (``reduce_bytes``),
+    at :attr:`PricedClass.fsdp_grad_add_s_per_byte` as :func:`_accumulating`'s add. Without
+    mixed precision (the two sizes equal) FSDP2 casts nothing and autograd keeps the gradient."""
+    out = []
+    for pc in pieces:
+        w = pc.work
+        if w.reduce_bytes and w.gather_bytes and w.gather_bytes != w.reduce_bytes:
+            cast_s = (w.reduce_bytes + w.gather_bytes) * p.fsdp_grad_add_s_per_byte
+            w = dataclasses.replace(w, compute_s=w.compute_s + cast_s)
+        out.append(dataclasses.replace(pc, work=w))
     return tuple(out)
 
 
@@ -559,14 +581,16 @@ def _pieces(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:
     bwd_items = ((p.bwd_post, 1, "head bwd", last), (p.bwd_block, n, "block bwd", True), (p.bwd_pre, 1, "embed bwd", first))
     bwd = pieces(*bwd_items)
     def split(w: Work) -> tuple[float, float]:  # (I, W) seconds of a piece's backward
+        # the gradients' reduction (FSDP2's copies around it) follows the weight gradients: W's
+        own = w.compute_s - w.reduce_s
         if p.backward_split is None:
-            return w.compute_s - w.weight_grad_s, w.weight_grad_s
-        return w.compute_s * p.backward_split[0], w.compute_s * p.backward_split[1]
+            return own - w.weight_grad_s, w.weight_grad_s + w.reduce_s
+        return own * p.backward_split[0], own * p.backward_split[1] + w.reduce_s
 
-    bwd_i = tuple(Piece(work=dataclasses.replace(w, reduce=(), compute_s=split(w)[0]), count=c,
+    bwd_i = tuple(Piece(work=dataclasses.replace(w, reduce=(), reduce_s=0.0, compute_s=split(w)[0]), count=c,
                         label=lbl.replace("bwd", "bwd-I")) for w, c, lbl, keep in bwd_items if keep and c)
     bwd_w = tuple(Piece(work=Work(compute_s=split(w)[1], reduce=w.reduce, gather_bytes=w.gather_bytes,
-                                  reduce_bytes=w.reduce_bytes), count=c,
+                                  reduce_bytes=w.reduce_bytes, reduce_s=w.reduce_s), count=c,
                         label=lbl.replace("bwd", "bwd-W"))
                   for w, c, lbl, keep in bwd_items if keep and c)
     opt = pieces((p.opt_block, n, "optimizer", True), (p.opt_first, 1, "optimizer (embed)", first),

@@ -200,7 +200,7 @@ def callable_key(fn: Callable | None) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-TRACE_FORMAT = 9
+TRACE_FORMAT = 10
 """Part of every cache key and file; raised when the tracer or the built-in models change what a
 trace holds, so traces stored by an older topomesh are not reused (2: context parallel, attention
 as its own ``sdpa`` module, GPT positions as a buffer; 3: JSON files instead of pickle; 4: each
@@ -209,7 +209,8 @@ checkpointing recomputes in backward what its policy does not save, as a run doe
 transient memory is its temporaries' live peak, not its largest tensor; 7: a parameter's gradient
 bytes are those of the gradient the traced backward made, not the parameter's; 8: a segment's
 ``param_bytes``, what it makes from parameters alone; 9: a kept tensor's bytes in the forward
-segment whose backward reads it, not the one that made it)."""
+segment whose backward reads it, not the one that made it; 10: each op's FSDP2 hook,
+:attr:`~topomesh.trace.graph.OpRecord.hook`)."""
 
 FILE_FORMAT = "topomesh-trace"
 FAILURE_FORMAT = "topomesh-trace-failure"

@@ -55,6 +55,12 @@ class OpRecord:
     phase: Phase = Phase.FORWARD
     args: tuple = field(default=(), compare=False)
     """Non-tensor arguments that change the cost (e.g. dims, transposes), as a hashable tuple."""
+    hook: str = ""
+    """The FSDP2 hook the op ran in: the innermost ``FSDP::`` ``record_function`` label around it,
+    its first word less the prefix (``pre_forward``, ``all_gather_copy_out``,
+    ``post_backward_reduce``, ...); ``""`` outside FSDP's hooks. What tells a parameter's
+    unsharding and a gradient's reduction apart from the model's own ops
+    (:func:`topomesh.sim.price.op_role`)."""
 
     @property
     def signature(self) -> tuple:

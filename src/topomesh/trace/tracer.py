@@ -763,8 +763,11 @@ def _segments(
 
     records: dict[torch.fx.Node, tuple[OpRecord | CollectiveRecord, ...]] = {}
     unknown: set[str] = set()
+    hooks = fsdp_hooks(gm)
     for node, i in where.items():
         recs = node_records(node, gm, groups, keys[i][0])
+        if node in hooks:
+            recs = tuple(dataclasses.replace(r, hook=hooks[node]) if isinstance(r, OpRecord) else r for r in recs)
         if recs:
             records[node] = recs
             if len(recs) == 1 and not isinstance(recs[0], CollectiveRecord) and not is_known(node.target):
@@ -784,6 +787,40 @@ def _segments(
         if ev
     )
     return segments, tuple(sorted(unknown))
+
+
+FSDP_LABEL = "FSDP::"
+"""The prefix of the ``record_function`` labels FSDP2 wraps its hooks and their parts in
+(``FSDP::pre_forward (layers.0)``, ``FSDP::all_gather_copy_out``, ``FSDP::post_backward_reduce``...)."""
+
+
+def fsdp_hooks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """Per node that ran inside an FSDP2 hook: the innermost one, its ``record_function``
+    label's first word less :data:`FSDP_LABEL` (``FSDP::backward_prefetch for layers.0`` is
+    ``backward_prefetch``). The labels reach the graph as the profiler's enter and exit ops,
+    each exit taking its enter as input; labels of anything else (the optimizer's step) are
+    passed over."""
+    open_: list[tuple[torch.fx.Node, str]] = []  # entered, not yet exited: (enter node, hook or "")
+    out: dict[torch.fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if "_record_function_enter" in name:
+            label = node.args[0] if node.args and isinstance(node.args[0], str) else ""
+            hook = label[len(FSDP_LABEL):].split(" ", 1)[0] if label.startswith(FSDP_LABEL) else ""
+            open_.append((node, hook))
+        elif "_record_function_exit" in name:
+            entered = node.args[0] if node.args else None
+            for i in range(len(open_) - 1, -1, -1):
+                if open_[i][0] is entered:
+                    del open_[i]
+                    break
+        else:
+            hook = next((h for _, h in reversed(open_) if h), "")
+            if hook:
+                out[node] = hook
+    return out
 
 
 def _prefetches(
