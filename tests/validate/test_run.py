@@ -278,6 +278,43 @@ def test_in_step_tables_replay_in_a_child_like_the_real_runs(monkeypatch, tmp_pa
     assert vrun.in_step_tables("tiny-llama", None, layouts[1:], Training(global_batch=4), threads=1) == {}
 
 
+def test_in_step_tables_replay_one_process_after_another_and_average_them(monkeypatch):
+    """``replays`` children one after another, never two at once, their figures averaged: op
+    times 1 and 3 ms -> 2 ms; host work 10 and 30 -> 20 ms. With ``copies`` too, every child of
+    every round counts: 2 x 2 children of 1, 3, 5, 7 ms -> 4 ms."""
+    import subprocess
+    import threading
+
+    from topomesh.layout.api import resolve_layout
+    from topomesh.sim.simulate import Training
+    from topomesh.validate import run as vrun
+
+    key = ["aten.mm.default", "[[2,3],[3,2]]", '["float32","float32"]', "[[3,1],[2,1]]", "[]"]
+    values = iter([0.001, 0.003, 0.001, 0.003, 0.005, 0.007])
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def fake_run(cmd, env, **kw):  # noqa: ANN001, ANN003, ANN202
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            v = next(values)
+        out = {"pp=2": {"ops": [[key, v]], "host_fb_s": 10 * v}}
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(out))
+        with lock:
+            running[0] -= 1
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(vrun.subprocess, "run", fake_run)
+    layouts = [("pp=2", resolve_layout({"pp": 2}, 2))]
+    got = vrun.in_step_tables("tiny-llama", None, layouts, Training(global_batch=4), threads=1, replays=2)
+    assert got["pp=2"].table == {tuple(key): pytest.approx(0.002)}
+    assert got["pp=2"].host_fb_s == pytest.approx(0.02)
+    assert most[0] == 1
+    got = vrun.in_step_tables("tiny-llama", None, layouts, Training(global_batch=4), threads=1, replays=2, copies=2)
+    assert got["pp=2"].table == {tuple(key): pytest.approx(0.004)}
+
+
 def test_in_step_tables_replay_several_copies_at_once_and_average_them(monkeypatch):
     """``copies`` children run at the same time (each waits at a barrier for the others) and
     their figures are averaged: op times 1, 2 and 6 ms -> 3 ms; host work 10, 20, 60 -> 30 ms."""
@@ -638,9 +675,9 @@ def test_a_layout_with_more_ranks_than_cpus_is_replayed_once_per_rank_at_once(mo
         def simulate(self, layout, training):  # noqa: ANN001, ANN202
             return _Prediction(1.0)
 
-    def in_step(model, seq_len, layouts, training, *, threads, copies=1):  # noqa: ANN001, ANN202
+    def in_step(model, seq_len, layouts, training, *, threads, copies=1, replays=1):  # noqa: ANN001, ANN202
         [(text, _)] = layouts
-        seen[text] = copies
+        seen[text] = (copies, replays)
         return {}
 
     monkeypatch.setattr("topomesh.topology.discover.allowed_cpus", lambda: [0, 1])
@@ -656,7 +693,7 @@ def test_a_layout_with_more_ranks_than_cpus_is_replayed_once_per_rank_at_once(mo
     args = p.parse_args(["--model", "tiny-llama", "--layouts", "dp_shard=2", "--layouts", "tp=2,dp_shard=2",
                          "--repeats", "1", "--no-sweep-each-pass", "--json"])
     assert cli.run(args) == 0
-    assert seen == {"dp_shard=2": 1, "tp=2,dp_shard=2": 4}
+    assert seen == {"dp_shard=2": (1, 2), "tp=2,dp_shard=2": (4, 2)}  # two replays each by default
 
 
 @pytest.mark.parametrize(("layouts", "extra", "message"), [

@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-step", action=argparse.BooleanOptionalAction, default=True,
                    help="price ops at their times inside the step (each layout's traced step replayed for real), "
                         "not only at their isolated op-table times (default on)")
+    p.add_argument("--replays", type=int, default=2, metavar="N",
+                   help="processes that replay each layout's step for its in-step op times, one after another, "
+                        "their figures averaged (default 2): one replay's step moves by about 4 %% from one "
+                        "process to the next")
     p.add_argument("--sweep-each-pass", action=argparse.BooleanOptionalAction, default=True,
                    help="before each pass over the layouts, one more collective sweep, the profile fitted over it "
                         f"and the newest saved ones ({POOL} in all; default on). Off: the saved profile is reused "
@@ -136,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         profile_info,
     )
 
-    for name in ("steps", "threads", "repeats"):
+    for name in ("steps", "threads", "repeats", "replays"):
         if getattr(args, name) < 1:
             raise LayoutError(f"--{name} must be a positive integer, got {getattr(args, name)}.")
     if args.warmup < 2:
@@ -216,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
                 with err.status(f"{tag}timing {text}'s ops inside its step (its traced step replayed"
                                 f"{f', {copies} at once' if copies > 1 else ''})"):
                     step = in_step_tables(args.model, args.seq_len, [(text, lay)], training,
-                                          threads=args.threads, copies=copies).get(text)
+                                          threads=args.threads, copies=copies, replays=args.replays).get(text)
             cluster = clusters[lay.world_size]
             if step is not None and step.host_fb_s is not None:  # TP's, EP's or recomputation's host work, measured
                 cluster = with_fb_host(cluster, traces[text], step.host_fb_s)

@@ -277,7 +277,7 @@ def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], No
 
 
 def in_step_tables(model: str, seq_len: int | None, layouts: Sequence[tuple[str, Any]], training: Any, *,
-                   threads: int, timeout_s: float = 900.0, copies: int = 1) -> dict[str, Any]:
+                   threads: int, timeout_s: float = 900.0, copies: int = 1, replays: int = 1) -> dict[str, Any]:
     """Per layout text, the op times of its traced step replayed for real and, under tensor or
     expert parallel or with recomputation, its forward and backward's host work beyond them
     (:class:`topomesh.cost.instep.InStep`), measured in a child process under the real runs'
@@ -289,7 +289,14 @@ def in_step_tables(model: str, seq_len: int | None, layouts: Sequence[tuple[str,
     CPUs, each rank's ops run while the others' do, on cores and caches they take turns on:
     four replays of ``tp=2,dp_shard=2`` at once on this 2-vCPU host priced its compute 2-11 %
     above one alone (mean +7 %, eight replays in two trials), which the compute share (the
-    cores' share, 2) does not hold."""
+    cores' share, 2) does not hold.
+
+    ``replays`` > 1: that many rounds of children one after another, all their figures
+    averaged. A replay's figures move from one process to the next: eight of ``pp=2``
+    (``benchmarks/validate_llama.json``) priced its step at 136-155 ms (standard deviation
+    4 %), the same with 30 runs of the step per process as with 5, and a pass's prediction
+    did not follow its run (``dp_shard=1``: 256 / 205 / 219 ms predicted in three passes,
+    220 / 217 / 205 measured): the spread is the process's, and averaging processes narrows it."""
     from topomesh.cost.instep import mean_in_step, read_result
     from topomesh.layout.dims import Axis
 
@@ -303,10 +310,15 @@ def in_step_tables(model: str, seq_len: int | None, layouts: Sequence[tuple[str,
         return _run_child("timing the layouts' ops in their steps", spec, lambda tmp: ["-m", "topomesh.cost.instep"],
                           read_result, threads=threads, timeout_s=timeout_s)
 
-    if copies <= 1:
-        return replay(0)
-    with ThreadPoolExecutor(max_workers=copies) as pool:
-        results = list(pool.map(replay, range(copies)))
+    results: list[dict[str, Any]] = []
+    for _ in range(max(1, replays)):
+        if copies <= 1:
+            results.append(replay(0))
+            continue
+        with ThreadPoolExecutor(max_workers=copies) as pool:
+            results.extend(pool.map(replay, range(copies)))
+    if len(results) == 1:
+        return results[0]
     return {text: mean_in_step([r[text] for r in results]) for text in results[0]}
 
 
