@@ -589,7 +589,7 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
     # one more collective sweep (of the largest world) before each pass's runs
     assert order == ["sweep 2", "dp_shard=1", "tp=2", "sweep 2", "dp_shard=1", "tp=2"]
     report = json.loads(capsys.readouterr().out)
-    assert report["repeats"] == 2
+    assert report["repeats"] == 2 and report["replays"] == 0  # --no-in-step: nothing replayed
     one, two = report["layouts"]
     assert one["measured_s"] == pytest.approx(1.3) and one["measured_runs_s"] == pytest.approx([1.1, 1.5])
     assert one["predicted_runs_s"] == [1.1, 1.3] and one["predicted_s"] == pytest.approx(1.2)  # the median of two
@@ -644,6 +644,7 @@ def test_on_a_gpu_one_rank_runs_there_priced_on_its_preset_without_sweeps(monkey
     report = json.loads(capsys.readouterr().out)
     assert seen == {"ops": {"device": "cuda", "db": "ops.sqlite"}, "runs": ["cuda", "cuda"]}
     assert report["cluster"] == "dgx-h100" and report["device"] == "NVIDIA H100 80GB HBM3"
+    assert report["replays"] == 0  # a GPU's ops are timed as kernels, not replayed
     assert [r["layout"] for r in report["layouts"]] == ["dp_shard=1"]  # the default on a GPU
     assert report["layouts"][0]["predicted_s"] > 0
     with pytest.raises(LayoutError, match="--device cuda validates one GPU.*got tp=2"):
@@ -694,6 +695,7 @@ def test_a_layout_with_more_ranks_than_cpus_is_replayed_once_per_rank_at_once(mo
                          "--repeats", "1", "--no-sweep-each-pass", "--json"])
     assert cli.run(args) == 0
     assert seen == {"dp_shard=2": (1, 2), "tp=2,dp_shard=2": (4, 2)}  # two replays each by default
+    assert json.loads(capsys.readouterr().out)["replays"] == 2
 
 
 @pytest.mark.parametrize(("layouts", "extra", "message"), [

@@ -238,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
     report.update({"model": model.spec.name, "device": ran_on,
                    "cluster": cluster_name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
                    "warmup": args.warmup, "repeats": args.repeats, "cpus": cpus,
+                   "replays": args.replays if in_step_on else 0,
                    "collective_profile": profile,
                    "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
                                      max(x for r in results for x in r.loadavg or (0,))]})
