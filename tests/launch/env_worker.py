@@ -17,4 +17,7 @@ report = {
     "cpus": sorted(os.sched_getaffinity(0)),
     "binding": topo.host_of(rank).numa_binding(int(os.environ["LOCAL_RANK"])),
 }
-Path(os.environ["CHECK_OUT"], f"rank{rank}.json").write_text(json.dumps(report))
+out = Path(os.environ["CHECK_OUT"], f"rank{rank}.json")
+tmp = out.with_name(f".{out.name}.tmp")  # whole or not at all: the test may poll the directory
+tmp.write_text(json.dumps(report))
+os.replace(tmp, out)

@@ -23,6 +23,14 @@ from pathlib import Path
 from topomesh.topology.api import load_topology
 
 
+def _publish(out: Path, report: dict) -> None:
+    """Write ``report`` where the test polls for it, whole or not at all (the test reads the
+    directory while ranks write: a partly written file once failed a run's JSON parse)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, out)
+
+
 def main() -> int:
     pids = Path(os.environ["CHECK_OUT"]) / "pids"
     pids.mkdir(exist_ok=True)
@@ -75,13 +83,13 @@ def main() -> int:
         dist.all_reduce(t)
         report["allreduce"] = t.item()
         if os.environ.get("CHECK_HOLD") == "1":
-            out.write_text(json.dumps(report))
+            _publish(out, report)
             release = Path(os.environ["CHECK_OUT"]) / "release"
             while not release.exists():  # a collective per step, as training would do
                 dist.all_reduce(t)
                 time.sleep(0.2)
         dist.destroy_process_group()
-    out.write_text(json.dumps(report))
+    _publish(out, report)
     return 0
 
 
