@@ -117,3 +117,14 @@ def test_op_roles_follow_fsdp_hooks():
     assert [op_role(_op("aten.copy_.default", h)) for h in
             ("pre_backward", "backward_prefetch", "all_gather", "post_backward_reduce", "post_forward", "")] == [
         "gather", "gather", "gather", "reduce", "", ""]
+
+
+def test_role_seconds_follow_the_compute_they_are_part_of():
+    # a piece of 2 traced blocks is 2 blocks' worth: one block holds half of each (4 s of
+    # compute, of it 2 s unsharding and 1 s reduction, over 2); stretched 3x, all three are
+    from topomesh.sim.price import _per_block
+
+    one = _per_block(Work(compute_s=4.0, gather_s=2.0, reduce_s=1.0), 2)
+    assert (one.compute_s, one.gather_s, one.reduce_s) == (2.0, 1.0, 0.5)
+    scaled = one.scaled(3.0, 1.0)
+    assert (scaled.compute_s, scaled.gather_s, scaled.reduce_s) == (6.0, 3.0, 1.5)

@@ -528,8 +528,13 @@ def _scaling(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
     :attr:`PricedClass.grad_scale_s_per_byte`. The first stage's runs after the step's last
     backward, on the critical path."""
     state = {"optimizer": p.block_state, "optimizer (embed)": p.first_state, "optimizer (head)": p.last_state}
-    return tuple(dataclasses.replace(pc, work=dataclasses.replace(
-        pc.work, compute_s=pc.work.compute_s + 2 * state[pc.label].grads * p.grad_scale_s_per_byte)) for pc in pieces)
+    return _plus_compute(pieces, lambda pc: 2 * state[pc.label].grads * p.grad_scale_s_per_byte)
+
+
+def _plus_compute(pieces: tuple[Piece, ...], extra_s: Callable[[Piece], float]) -> tuple[Piece, ...]:
+    """``pieces`` each with ``extra_s(piece)`` more seconds of compute."""
+    return tuple(dataclasses.replace(pc, work=dataclasses.replace(pc.work, compute_s=pc.work.compute_s + extra_s(pc)))
+                 for pc in pieces)
 
 
 def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool) -> tuple[Piece, ...]:
@@ -543,15 +548,14 @@ def _accumulating(p: PricedClass, pieces: tuple[Piece, ...], *, pipelined: bool)
     (``gather_bytes``): float32 += bfloat16 under mixed precision. The first backward's cast
     of them to the reduce dtype is :func:`_casting`'s."""
     state = {"embed": p.first_state, "block": p.block_state, "head": p.last_state}
-    out = []
-    for pc in pieces:
+
+    def add_s(pc: Piece) -> float:
         w = pc.work
         if pipelined and w.reduce_bytes:
-            add_s = (2 * w.reduce_bytes + (w.gather_bytes or w.reduce_bytes)) * p.fsdp_grad_add_s_per_byte
-        else:
-            add_s = 3 * state[pc.label.split()[0]].grads * p.grad_add_s_per_byte
-        out.append(dataclasses.replace(pc, work=dataclasses.replace(w, compute_s=w.compute_s + add_s)))
-    return tuple(out)
+            return (2 * w.reduce_bytes + (w.gather_bytes or w.reduce_bytes)) * p.fsdp_grad_add_s_per_byte
+        return 3 * state[pc.label.split()[0]].grads * p.grad_add_s_per_byte
+
+    return _plus_compute(pieces, add_s)
 
 
 def _casting(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
@@ -561,14 +565,12 @@ def _casting(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
     gradients (``gather_bytes``, the compute dtype) and a write of the kept (``reduce_bytes``),
     at :attr:`PricedClass.fsdp_grad_add_s_per_byte` as :func:`_accumulating`'s add. Without
     mixed precision (the two sizes equal) FSDP2 casts nothing and autograd keeps the gradient."""
-    out = []
-    for pc in pieces:
+    def cast_s(pc: Piece) -> float:
         w = pc.work
-        if w.reduce_bytes and w.gather_bytes and w.gather_bytes != w.reduce_bytes:
-            cast_s = (w.reduce_bytes + w.gather_bytes) * p.fsdp_grad_add_s_per_byte
-            w = dataclasses.replace(w, compute_s=w.compute_s + cast_s)
-        out.append(dataclasses.replace(pc, work=w))
-    return tuple(out)
+        mixed = w.reduce_bytes and w.gather_bytes and w.gather_bytes != w.reduce_bytes
+        return (w.reduce_bytes + w.gather_bytes) * p.fsdp_grad_add_s_per_byte if mixed else 0.0
+
+    return _plus_compute(pieces, cast_s)
 
 
 def _pieces(p: PricedClass, s: int, stages: int, n: int) -> StagePlan:

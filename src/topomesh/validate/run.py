@@ -311,12 +311,9 @@ def in_step_tables(model: str, seq_len: int | None, layouts: Sequence[tuple[str,
                           read_result, threads=threads, timeout_s=timeout_s)
 
     results: list[dict[str, Any]] = []
-    for _ in range(max(1, replays)):
-        if copies <= 1:
-            results.append(replay(0))
-            continue
-        with ThreadPoolExecutor(max_workers=copies) as pool:
-            results.extend(pool.map(replay, range(copies)))
+    with ThreadPoolExecutor(max_workers=max(1, copies)) as pool:
+        for _ in range(max(1, replays)):  # a round's children all at once, the rounds in turn
+            results.extend(pool.map(replay, range(max(1, copies))))
     if len(results) == 1:
         return results[0]
     return {text: mean_in_step([r[text] for r in results]) for text in results[0]}
