@@ -72,3 +72,24 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"expected a finite number of seconds above 0 and at most {MAX_SECONDS:g}, got {text[:40]!r}")
     return value
+
+
+def check_outputs(args: argparse.Namespace, files: tuple[str, ...], plots: tuple[str, ...] = ()) -> None:
+    """Before a command's long work: every output flag of ``files`` that is set must name a
+    path :func:`~topomesh.topology.api.write_atomic` can write, and any set flag of ``plots``
+    needs matplotlib. A typo or a missing extra then fails in a second, not after a search or a
+    validation run of minutes whose results it would lose."""
+    from topomesh.errors import OutputError
+    from topomesh.report.plot import require_matplotlib
+    from topomesh.topology.api import check_writable
+
+    for name in files:
+        path = getattr(args, name, None)
+        if path:
+            try:
+                check_writable(path)
+            except OutputError as e:
+                raise OutputError(f"--{name}: {e}") from None
+    wanted = [f"--{name}" for name in plots if getattr(args, name, None)]
+    if wanted:
+        require_matplotlib(" and ".join(wanted))

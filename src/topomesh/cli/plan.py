@@ -92,6 +92,7 @@ def fixed_degrees(args: argparse.Namespace) -> dict[str, int]:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from topomesh.cli.argtypes import check_outputs
     from topomesh.errors import LayoutError
     from topomesh.search.evaluate import PlanInputs, build_cluster
     from topomesh.search.rank import csv_text, export_megatron, export_torchtitan, plan_dict
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from topomesh.topology.api import write_atomic
     from topomesh.trace.cache import default_directory
 
+    check_outputs(args, ("output", "csv", "png", "html"), plots=("png", "html"))
     if args.top < 1:
         raise LayoutError(f"--top must be a positive integer, got {args.top}.")
     strategies = [s for s in args.strategies.split(",") if s.strip()] if args.strategies else None

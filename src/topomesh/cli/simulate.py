@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from topomesh.cli.argtypes import check_outputs
     from topomesh.cost.cluster import Cluster
     from topomesh.cost.opdb import device_table
     from topomesh.sim.inputs import (
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from topomesh.sim.simulate import Simulator
     from topomesh.trace.cache import TraceCache, default_directory
 
+    check_outputs(args, ("timeline",))
     model = load_model(args.model, seq_len=args.seq_len)
     cluster: Cluster = cluster_from_args(args)
     layout = layout_from_args(args, cluster.world_size)

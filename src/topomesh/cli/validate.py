@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
+    from topomesh.cli.argtypes import check_outputs
     from topomesh.cost.cluster import LOCAL, load_cluster, local_cluster, preset_for_device
     from topomesh.cost.devices import current_device_spec
     from topomesh.errors import CalibrationError, LayoutError
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         profile_info,
     )
 
+    check_outputs(args, ("png",), plots=("png",))
     for name in ("steps", "threads", "repeats", "replays"):
         if getattr(args, name) < 1:
             raise LayoutError(f"--{name} must be a positive integer, got {getattr(args, name)}.")
@@ -242,15 +244,15 @@ def run(args: argparse.Namespace) -> int:
                    "collective_profile": profile,
                    "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
                                      max(x for r in results for x in r.loadavg or (0,))]})
+    if args.json:  # the report before the picture: a picture that fails loses no measurement
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print(report)
     if args.png:
         from topomesh.validate.plot import save_validation_png
 
         save_validation_png(results, args.png)
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    _print(report)
     return 0
 
 

@@ -10,7 +10,7 @@ import html
 import io
 from typing import Any
 
-from topomesh.errors import TopomeshError
+from topomesh.report.plot import require_matplotlib
 from topomesh.search.rank import why_loses
 from topomesh.search.run import Entry, Plan
 
@@ -100,13 +100,12 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 def pareto_png(plan: Plan) -> bytes:
     """The Pareto plot as PNG bytes."""
-    try:
-        import matplotlib
+    require_matplotlib("--png and --html")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise TopomeshError("--png and --html need matplotlib, which is not installed: pip install 'topomesh[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     feas = [e for e in plan.entries if e.result.feasible]
     unit, per = ("GB", 1e9) if any(e.result.peak_memory_bytes >= 1e8 for e in feas) else ("MB", 1e6)
     pts = [(e.result.step_time_s * 1e3, e.result.peak_memory_bytes / per) for e in feas]

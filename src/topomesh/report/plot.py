@@ -27,12 +27,14 @@ _BOX = 1.0  # host box side, axis units
 _GAP = 0.45
 
 
-def _matplotlib() -> None:
+def require_matplotlib(flags: str = "--png") -> None:
+    """Raise the one-line install hint when matplotlib (the ``plot`` extra) is missing;
+    commands call it on their plot flags before long work, and the drawers again."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise TopomeshError(
-            "--png needs matplotlib, which is not installed: pip install 'topomesh[plot]'"
+            f"{flags} needs matplotlib, which is not installed: pip install 'topomesh[plot]'"
         ) from None
 
 
@@ -46,7 +48,7 @@ def _legend_label(kind: LinkKind, conns: list[Connection]) -> str:
 
 def draw_topology(topo: Topology, *, max_ranks: int = 64, max_hosts: int = 16) -> Figure:
     """A matplotlib ``Figure`` of ``topo`` (see the module docstring for the picture)."""
-    _matplotlib()
+    require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D

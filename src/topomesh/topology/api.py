@@ -313,18 +313,23 @@ _NOT_REGULAR = (
 )
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o644) -> Path:
-    """Write ``data`` (text as UTF-8, or bytes) so readers see the old file or the new one,
-    never a partial one: a temporary file in the same directory, renamed over the target.
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """The file :func:`write_atomic` would write for ``path`` (links followed), or
+    :class:`~topomesh.errors.OutputError` when it could not: something other than a regular
+    file is there, or its directory is missing or not writable. Commands that run for minutes
+    call it on their output flags first, so a typo fails before the work, not after it."""
+    target = _regular_target(path)
+    p = Path(path)
+    if not target.parent.is_dir():
+        raise OutputError(f"{p}: the directory {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{p}: the directory {target.parent} is not writable")
+    return target
 
-    Every file a user names (``discover -o``, ``--png``, profiles, caches) is written here.
-    ``path`` may be a new file, an existing regular file (replaced, ``mode`` set), or a
-    symbolic link to either (followed: the file it names is written, the link stays, as a
-    shell's ``>`` does). Anything else already there — a device such as ``/dev/null``, a
-    FIFO, a socket, a directory — raises :class:`~topomesh.errors.OutputError` before
-    anything is written: the rename would replace the special file itself (``discover -o
-    /dev/null`` as root would delete the null device), and a FIFO would block.
-    """
+
+def _regular_target(path: str | os.PathLike[str]) -> Path:
+    """The file ``path`` names (links followed), refused when something other than a regular
+    file is there (see :func:`write_atomic`)."""
     p = Path(path)
     target = Path(os.path.realpath(p))
     try:
@@ -337,6 +342,22 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o
             via = f" (a link to {target})" if p.is_symlink() else ""
             raise OutputError(f"{p}{via} is {what}, not a regular file: refusing to replace it; "
                               "name a regular file or a new path")
+    return target
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o644) -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) so readers see the old file or the new one,
+    never a partial one: a temporary file in the same directory, renamed over the target.
+
+    Every file a user names (``discover -o``, ``--png``, profiles, caches) is written here.
+    ``path`` may be a new file, an existing regular file (replaced, ``mode`` set), or a
+    symbolic link to either (followed: the file it names is written, the link stays, as a
+    shell's ``>`` does). Anything else already there — a device such as ``/dev/null``, a
+    FIFO, a socket, a directory — raises :class:`~topomesh.errors.OutputError` before
+    anything is written: the rename would replace the special file itself (``discover -o
+    /dev/null`` as root would delete the null device), and a FIFO would block.
+    """
+    target = _regular_target(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -348,7 +369,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return p
+    return Path(path)
 
 
 def save_topology(

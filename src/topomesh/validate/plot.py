@@ -8,18 +8,18 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from topomesh.errors import OutputError, TopomeshError
+from topomesh.errors import OutputError
+from topomesh.report.plot import require_matplotlib
 
 
 def draw_validation(results: Sequence[Any]) -> Any:
     """A matplotlib figure of :class:`~topomesh.validate.run.LayoutResult` points (ms)."""
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise TopomeshError("--png needs matplotlib, which is not installed: pip install 'topomesh[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5.5, 5.0))
     xs = [r.measured_s * 1e3 for r in results]
     ys = [r.predicted_s * 1e3 for r in results]
