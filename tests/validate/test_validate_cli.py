@@ -91,6 +91,8 @@ def test_tensor_parallel_steps_take_their_loss_under_loss_parallel(tmp_path):
     # the vocab-sharded logits of a plain (no pipeline) step: without loss_parallel it fails
     record = _one_real_step(tmp_path, {"tp": 2})
     assert record["world_size"] == 2 and record["microbatches"] == 4 and len(record["step_s"]) == 1
+    # one untimed step after the profiler's teardown, then the timed one (worker.SETTLE_STEPS)
+    assert len(record["settle_s"]) == 1 and record["settle_s"][0] > 0
 
 
 def _one_real_step(tmp_path, degrees: dict[str, int], **knobs) -> dict:
