@@ -62,7 +62,7 @@ def test_materialize_swaps_every_fake_attribute_and_uses_given_inputs():
     assert instep.materialize(gm, [torch.randn(2, 8)])[0].shape == (3, 8)
 
 
-def test_time_nodes_takes_the_mean_after_warmup(monkeypatch):
+def test_time_nodes_takes_the_median_run_after_warmup(monkeypatch):
     gm = _fake_linear_graph()
     args = instep.materialize(gm, [torch.randn(3, 8)])
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -80,9 +80,18 @@ def test_time_nodes_takes_the_mean_after_warmup(monkeypatch):
     torch.set_num_threads(1)
     got = instep.time_nodes(gm, args, repeats=3, warmup=1)
     assert set(got) == set(nodes)
-    # the mean of 100, 400, 900 ns (a step's time is the sum of its ops' means; the median
-    # would be 400), less the 50 ns two reads of that clock add
-    assert all(v == pytest.approx((1400 / 3 - 50) * 1e-9) for v in got.values())
+    # every node takes 100, 400, 900 ns in the three timed runs, less the 50 ns two reads of
+    # that clock add: 50, 350, 850; the median run's 350, not the mean's 416.7 (a slow spell
+    # falls on a whole run, and the real runs are measured at their median step)
+    assert all(v == pytest.approx(350e-9) for v in got.values())
+
+
+def test_the_median_run_scale_keeps_each_nodes_share():
+    # two nodes, three runs: node 0 takes 1, 1, 7 and node 1 takes 3, 3, 5 (run sums 4, 4, 12):
+    # the median run sums to 4, the means (3 + 11/3) to 20/3, so each mean is scaled by 3/5
+    assert instep.median_run_scale([[1.0, 1.0, 7.0], [3.0, 3.0, 5.0]]) == pytest.approx(0.6)
+    assert instep.median_run_scale([[2.0, 2.0]]) == 1.0
+    assert instep.median_run_scale([]) == 1.0 and instep.median_run_scale([[0.0, 0.0]]) == 1.0
 
 
 def test_the_clock_floor_is_the_median_cost_of_two_back_to_back_reads():

@@ -19,8 +19,9 @@ each value after its last use, as the step does) under the fake process group th
 (collectives return at once: they are priced by the collective model). Each compute node is
 timed alone on the thread's CPU clock (one torch thread; wall clock with more), so the
 interpreter's own Python is not in any op's time; a node's time is its mean over
-``repeats`` runs after ``warmup``, and a signature's (:func:`~topomesh.cost.ops.profile_key`)
-the mean over the nodes that run it, so the table prices the replayed step at the sum of its
+``repeats`` runs after ``warmup``, scaled so the graph's nodes sum to its median run
+(:func:`time_nodes`), and a signature's (:func:`~topomesh.cost.ops.profile_key`) the mean
+over the nodes that run it, so the table prices the replayed step at the sum of its
 measured ops. The mean, not the median, as for collectives
 (:data:`~topomesh.cost.calibrate.STATISTIC`): a step pays the sum of its ops, whose
 expectation is the sum of their means, and op times here are skewed to the right. Eleven
@@ -121,9 +122,18 @@ def clock_floor_ns(clock: Callable[[], int], pairs: int = 2001) -> float:
 
 def time_nodes(gm: torch.fx.GraphModule, args: list[Any], *, repeats: int = REPEATS,
                warmup: int = WARMUP) -> dict[torch.fx.Node, float]:
-    """Median seconds of each ``call_function`` node over ``repeats`` runs of the whole graph
-    (after ``warmup`` runs), each node timed alone on the thread CPU clock (one torch thread)
-    or the wall clock (more), less what the clock's reads add (:func:`clock_floor_ns`)."""
+    """Seconds of each ``call_function`` node: its mean over ``repeats`` runs of the whole
+    graph (after ``warmup`` runs), each node timed alone on the thread CPU clock (one torch
+    thread) or the wall clock (more), less what the clock's reads add (:func:`clock_floor_ns`),
+    all scaled by one factor so the nodes sum to the median run's sum (:func:`median_run_scale`).
+
+    The real runs are measured at their median step; a slow spell of the machine falls on a
+    whole run of the graph, not on single ops, and the plain means carried it into every node.
+    Twelve runs of the one-process step of ``benchmarks/validate_llama.json`` in each of three
+    fresh processes (2-vCPU EPYC VM, 2026-11-27, validate's malloc settings), forward and
+    backward's priced nodes summed per run, the first left out: 74.3 65.9 64.7 66.7 63.7 75.1
+    67.3 68.2 73.1 63.9 66.2, 70.1 73.5 78.7 64.5 63.4 63.3 64.5 64.9 74.6 76.6 66.1 and 68.7
+    66.7 63.9 64.9 66.1 67.1 68.9 64.4 66.6 65.6 64.5 ms."""
     clock = time.thread_time_ns if torch.get_num_threads() == 1 else time.perf_counter_ns
     floor = clock_floor_ns(clock)
     times: dict[torch.fx.Node, list[int]] = defaultdict(list)
@@ -147,7 +157,23 @@ def time_nodes(gm: torch.fx.GraphModule, args: list[Any], *, repeats: int = REPE
     with torch.no_grad():
         for i in range(warmup + repeats):
             Timed(times if i >= warmup else None).run(*args)
-    return {n: max(0.0, statistics.fmean(ts) - floor) / 1e9 for n, ts in times.items()}
+    scale = median_run_scale([[t - floor for t in ts] for ts in times.values()])
+    return {n: max(0.0, statistics.fmean(ts) - floor) * scale / 1e9 for n, ts in times.items()}
+
+
+def median_run_scale(node_times: Sequence[Sequence[float]]) -> float:
+    """The factor that takes the nodes' mean times to the median run's: the median over runs of
+    each run's sum of its nodes, over the mean of those sums (1.0 with no run or no time).
+    ``node_times[n][r]``: node ``n``'s time in run ``r``.
+
+    >>> median_run_scale([[1.0, 1.0, 4.0], [2.0, 2.0, 2.0]])  # run sums 3, 3, 6: median 3, mean 4
+    0.75
+    """
+    if not node_times or not node_times[0]:
+        return 1.0
+    sums = [math.fsum(run) for run in zip(*node_times, strict=True)]
+    mean = statistics.fmean(sums)
+    return statistics.median(sums) / mean if mean > 0 else 1.0
 
 
 def priced_nodes(gm: torch.fx.GraphModule, groups: Any, node_s: Mapping[torch.fx.Node, float]
