@@ -762,3 +762,17 @@ def test_the_report_names_the_collective_profile_and_its_age(tmp_path):
         profile_info(prof)
     with pytest.raises(CalibrationError, match="collective profile"):
         profile_info(tmp_path / "absent.json")
+
+
+def test_the_report_carries_how_far_each_layouts_runs_lay_apart():
+    # two layouts run three times each: medians 0.20 / 0.22 / 0.18 (spread 0.04 / 0.20 = 0.2)
+    # and 1.0 / 1.0 / 1.1 (0.1 / 1.0); one layout run once has none and is left out of the mean
+    runs = [LayoutResult(layout="a", predicted_s=0.2, measured_s=0.2, predicted_peak_bytes=1, measured_peak_bytes=1,
+                         runs_s=(0.20, 0.22, 0.18)),
+            LayoutResult(layout="b", predicted_s=1.0, measured_s=1.0, predicted_peak_bytes=1, measured_peak_bytes=1,
+                         runs_s=(1.0, 1.0, 1.1)),
+            LayoutResult(layout="c", predicted_s=0.5, measured_s=0.5, predicted_peak_bytes=1, measured_peak_bytes=1,
+                         runs_s=(0.5,))]
+    out = compare(runs)
+    assert [r["runs_spread"] for r in out["layouts"]] == [pytest.approx(0.2), pytest.approx(0.1), None]
+    assert out["mean_runs_spread"] == pytest.approx(0.15)

@@ -282,6 +282,10 @@ def _print(report: dict) -> None:
                   f"fastest predicted {report['fastest_predicted']}, measured {report['fastest_measured']} "
                   f"({'agree' if report['fastest_correct'] else 'DISAGREE'}); peak memory max |error| "
                   f"{report['max_abs_memory_error'] * 100:.1f}%", highlight=False)
+    if report.get("mean_runs_spread") is not None:
+        console.print(f"the real runs of a layout lay {report['mean_runs_spread'] * 100:.1f}% apart on average "
+                      "(largest - smallest run's median step, over their median): an error below that is "
+                      "no more than this host's own run-to-run noise", highlight=False)
     prof = report.get("collective_profile") or {}
     if prof:
         age = "" if prof.get("age_h") is None else f", {prof['age_h']:.1f} h before this run"
