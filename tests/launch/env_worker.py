@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from topomesh.topology.api import load_topology
+from topomesh.topology.api import load_topology, write_atomic
 
 rank = int(os.environ["RANK"])
 topo = load_topology()
@@ -17,7 +17,5 @@ report = {
     "cpus": sorted(os.sched_getaffinity(0)),
     "binding": topo.host_of(rank).numa_binding(int(os.environ["LOCAL_RANK"])),
 }
-out = Path(os.environ["CHECK_OUT"], f"rank{rank}.json")
-tmp = out.with_name(f".{out.name}.tmp")  # whole or not at all: the test may poll the directory
-tmp.write_text(json.dumps(report))
-os.replace(tmp, out)
+# whole or not at all: the test may poll the directory while ranks write
+write_atomic(Path(os.environ["CHECK_OUT"], f"rank{rank}.json"), json.dumps(report))

@@ -20,15 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-from topomesh.topology.api import load_topology
+from topomesh.topology.api import load_topology, write_atomic
 
 
 def _publish(out: Path, report: dict) -> None:
     """Write ``report`` where the test polls for it, whole or not at all (the test reads the
     directory while ranks write: a partly written file once failed a run's JSON parse)."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, out)
+    write_atomic(out, json.dumps(report))
 
 
 def main() -> int:
