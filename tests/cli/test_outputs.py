@@ -27,9 +27,20 @@ def test_check_writable_names_what_is_wrong(tmp_path: Path) -> None:
         check_writable(tmp_path / "missing" / "x.png")
     with pytest.raises(OutputError, match="is a directory, not a regular file"):
         check_writable(tmp_path)
-    (tmp_path / "fifo").mkdir()
+    (tmp_path / "a_dir").mkdir()
     with pytest.raises(OutputError, match="is a directory"):  # write_atomic refuses it the same way
-        write_atomic(tmp_path / "fifo", b"x")
+        write_atomic(tmp_path / "a_dir", b"x")
+
+
+def test_check_writable_refuses_a_directory_it_cannot_write(monkeypatch, tmp_path: Path) -> None:
+    import topomesh.topology.api as api
+
+    (tmp_path / "ok").mkdir()
+    # root may write anywhere: os.access says tmp_path itself can be read and entered, not written
+    monkeypatch.setattr(api.os, "access", lambda path, mode: Path(path) != tmp_path or not mode & api.os.W_OK)
+    with pytest.raises(OutputError, match=r"x\.png: the directory .* is not writable"):
+        check_writable(tmp_path / "x.png")
+    assert check_writable(tmp_path / "ok" / "x.png") == tmp_path / "ok" / "x.png"
 
 
 def test_validate_refuses_png_without_matplotlib_before_running(monkeypatch, capsys, tmp_path: Path) -> None:
@@ -77,3 +88,33 @@ def test_simulate_checks_its_timeline_path(capsys, tmp_path: Path) -> None:
     assert main(["simulate", *TINY, "--gpus", "8", "--timeline", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("topomesh: error: --timeline: ") and "is a directory" in err
+
+
+def test_validate_prints_its_report_before_the_picture(monkeypatch, capsys, tmp_path: Path) -> None:
+    """The measurements come out even when drawing fails: the runs, sweeps and op table are
+    stubbed (one rank, one pass, priced on a GPU preset), the picture's writer fails."""
+    import json
+
+    import topomesh.cost.cluster as cluster
+    import topomesh.validate.plot as plot
+    import topomesh.validate.run as run
+    from topomesh.errors import OutputError
+
+    record = {"step_s": [0.5, 0.5], "peak_bytes": [10**6], "world_size": 1, "microbatches": 2}
+    monkeypatch.setattr(run, "ensure_collectives", lambda world: tmp_path / "profile.json")
+    monkeypatch.setattr(run, "profile_info", lambda path: {})
+    monkeypatch.setattr(run, "ensure_ops", lambda records, **kw: {})
+    monkeypatch.setattr(run, "measure", lambda *a, **kw: record)
+    monkeypatch.setattr(cluster, "local_cluster", lambda gpus: cluster.load_cluster("dgx-h100", gpus=gpus))
+
+    def fail(results, path):
+        raise OutputError(f"{path}: the picture failed")
+
+    monkeypatch.setattr(plot, "save_validation_png", fail)
+    argv = ["validate", *TINY, "--layouts", "dp_shard=1", "--repeats", "1", "--no-in-step",
+            "--no-sweep-each-pass", "--json", "--png", str(tmp_path / "v.png")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert [r["layout"] for r in report["layouts"]] == ["dp_shard=1"] and report["layouts"][0]["measured_s"] == 0.5
+    assert "the picture failed" in err
