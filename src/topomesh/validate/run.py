@@ -114,7 +114,8 @@ class LayoutResult:
         """How far the real runs' medians lie apart, (largest - smallest) / their median (None
         under two runs): the same layout run again a few minutes later. An error below it is
         within what this host's speed moves by between runs; on the 2-vCPU EPYC VM of
-        2026-11-27 the runs of one layout of the default set lay 4-34 % apart (three runs a layout, three validations).
+        2026-11-27 the runs of one layout of the default set lay 4-34 % apart (three runs a
+        layout, three validations).
 
         >>> round(LayoutResult(layout="a", predicted_s=1, measured_s=1, predicted_peak_bytes=1,
         ...                    measured_peak_bytes=1, runs_s=(0.26, 0.29, 0.25)).runs_spread, 4)  # 0.04 / 0.26

@@ -371,9 +371,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
         peak = peak_in_window(mem, *window[-1]) if window else 0
         calls = collective_calls(prof, *window[-1]) if window else {}
         del prof, mem
+        gc.collect()  # the records' objects, now, not inside a timed step
     settle: list[float] = []
     for _ in range(0 if cuda else SETTLE_STEPS):  # after the profiler's teardown, untimed
-        gc.collect()
         dist.barrier()
         t0 = time.perf_counter()
         one_step()
