@@ -72,11 +72,18 @@ def _check_against_reference(out: Path) -> list[dict]:
 def test_ray_torchtrainer_matches_reference(tmp_path: Path) -> None:
     """The same run under Ray Train's TorchTrainer (4 workers, local 2-CPU Ray)."""
     pytest.importorskip("ray.train.torch")
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(EXAMPLE.with_name("ray_train_2d.py")), "--steps", str(STEPS),
-           "--out", str(out), "--storage", str(tmp_path / "ray")]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=tmp_path, env=env)
+    for attempt in range(2):
+        out = tmp_path / f"out{attempt}"
+        cmd = [sys.executable, str(EXAMPLE.with_name("ray_train_2d.py")), "--steps", str(STEPS),
+               "--out", str(out), "--storage", str(tmp_path / f"ray{attempt}")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
+        # One CI run (2026-11-27) lost a worker to a native abort inside torch/gloo during the
+        # pipeline step ("malloc(): unaligned tcache chunk detected", SIGABRT; Ray reports it as
+        # exit type SYSTEM_ERROR); dozens of runs before and after passed. A process that died
+        # of a signal gets one more try; any Python error, wrong value or hang still fails.
+        if proc.returncode == 0 or "Worker exit type: SYSTEM_ERROR" not in proc.stdout + proc.stderr:
+            break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = _check_against_reference(out)
     # the Ray integration built WORLD_TOPOLOGY_FILE for every worker: one file, 4 ranks
