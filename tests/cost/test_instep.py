@@ -141,8 +141,8 @@ def test_in_step_times_cover_the_traced_steps_ops(tiny, degrees):
     step = instep.in_step_times(tiny, par, degrees, batch_size=1, dtype=torch.float32, repeats=1)
     got = step.table
     assert set(got) == set(seen) and len(got) > 20
-    assert (step.host_fb_s is not None) == (degrees.get("tp", 1) > 1)  # measured under tensor (or expert) parallel
-    if step.host_fb_s is not None:  # DTensor's hooks and dispatch: several times the tiny model's ops here
+    assert step.host_fb_s is not None  # measured on every layout
+    if "tp" in degrees:  # DTensor's hooks and dispatch: several times the tiny model's ops here
         assert step.host_fb_s > 0
     assert all(0 <= s < 1.0 for s in got.values())
     mm = [s for k, s in got.items() if k[0] == "aten.mm.default"]
@@ -155,7 +155,8 @@ def test_expert_parallel_hooks_are_measured_beyond_the_ops():
     cfg = dataclasses.replace(get_preset("tiny-moe"), n_layers=1, seq_len=32)
     step = instep.in_step_times(transformer_spec(cfg), make_parallelize(), {"ep": 2}, batch_size=1,
                                 dtype=torch.float32, repeats=1)
-    assert step.host_fb_s is not None and step.host_fb_s >= 0 and len(step.table) > 20
+    # (its sign is not checked: at one repeat of a one-layer model, 1.6 to -0.5 ms in three runs)
+    assert step.host_fb_s is not None and len(step.table) > 20
 
 
 def test_with_step_graph_refuses_context_parallel(tiny):
@@ -175,7 +176,7 @@ def test_read_result_checks_every_row(tmp_path):
         path.write_text(json.dumps({"tp=2": {"ops": bad}}))
         with pytest.raises(LayoutError, match="malformed"):
             instep.read_result(path)
-    for bad, what in (([[key, 0.001]], "an object"), ({"ops": [], "host_fb_s": -1.0}, "host_fb_s"),
+    for bad, what in (([[key, 0.001]], "an object"), ({"ops": [], "host_fb_s": -1e4}, "host_fb_s"),
                       ({"ops": [], "host_fb_s": "1"}, "host_fb_s")):
         path.write_text(json.dumps({"tp=2": bad}))
         with pytest.raises(LayoutError, match=what):
@@ -209,15 +210,27 @@ def test_host_work_is_the_eager_forward_backward_less_the_replayed_forward_backw
     assert got.host_fb_s == pytest.approx(10.0 - 1e-3 * counted["fb"])
 
 
-@pytest.mark.parametrize(("degrees", "recompute", "measured"), [
-    ({"dp_shard": 2}, "none", False), ({"pp": 2}, "none", False), ({"tp": 2}, "none", True),
-    ({"ep": 2}, "none", True), ({"pp": 2}, "full", True), ({"dp_shard": 1}, "selective", True),
-])
-def test_host_work_is_measured_under_tp_or_ep_or_with_recomputation(degrees, recompute, measured):
-    # a one-process step of benchmarks/validate_llama.json with selective recomputation ran
-    # 17 ms a micro-batch beyond its replayed ops (the caching dispatch mode around every op),
-    # 26 % of its step, and nothing priced it
-    assert instep.host_work(degrees, recompute) is measured
+def test_host_work_is_measured_on_every_layout_and_kept_when_negative(tiny, monkeypatch):
+    """A plain one-process step gets its eager step measured too, and an eager step that ran the
+    ops for less than their replay (tiny-moe's one-process step: 1.19 times) gives a negative
+    host work, not none: 1 ms per node replayed, 0.5 ms per priced F/B op eager."""
+    from topomesh.trace.tracer import PHASE_META
+
+    fb: list = []
+
+    def count(gm, groups):
+        fb.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"
+                      and n.meta.get(PHASE_META) in (Phase.FORWARD, Phase.BACKWARD)
+                      and len(recs := node_records(n, gm, groups, Phase.FORWARD)) == 1
+                      and isinstance(recs[0], OpRecord) and profilable(recs[0])))
+
+    with_step_graph(tiny, None, {}, count, batch_size=1, dtype=torch.float32)
+    monkeypatch.setattr(instep, "time_nodes", lambda gm, args, **kw: {
+        n: 1e-3 for n in gm.graph.nodes if n.op == "call_function"})
+    monkeypatch.setattr(instep, "eager_fb_s", lambda *a, **kw: 0.5e-3 * fb[0])
+    got = instep.in_step_times(tiny, None, {}, batch_size=1, dtype=torch.float32)
+    assert fb[0] > 50 and got.host_fb_s == pytest.approx(-0.5e-3 * fb[0])
+    assert instep.in_step_times(tiny, None, {}, batch_size=1, dtype=torch.float32, host=False).host_fb_s is None
 
 
 def test_selective_recomputation_runs_more_than_its_ops(tiny):

@@ -438,11 +438,32 @@ def test_measured_host_work_is_spread_over_the_forward_and_backward_ops_after_th
     gpu = dataclasses.replace(load_cluster("dgx-h100", gpus=2), dtensor_collective_s=1e-3, dtensor_block_dispatch_s=9.0)
     got = with_fb_host(gpu, trace, 7e-3)
     assert got.fb_host_s == pytest.approx(2e-3)
-    assert with_fb_host(gpu, trace, 0.5e-3).fb_host_s == 0.0  # less than the collectives: none left
+    # less than the collectives' figures, or the eager step ran its ops for less: (0.5 - 1) / 3 each
+    assert with_fb_host(gpu, trace, 0.5e-3).fb_host_s == pytest.approx(-0.5e-3 / 3)
     deeper = dataclasses.replace(trace, n_layers=3)  # the block's 2 ops and 1 all-gather 3 times: (7 - 3) / 7
     assert with_fb_host(gpu, deeper, 7e-3).fb_host_s == pytest.approx(4e-3 / 7)
     bare = dataclasses.replace(trace, segments=trace.segments[2:])
     assert with_fb_host(gpu, bare, 7e-3) is gpu  # no forward/backward op: nothing to spread it over
+
+
+def test_a_negative_measured_host_work_takes_from_each_op_but_never_below_nothing():
+    """An eager step that ran its ops for less than their replay: each forward op costs
+    ``fb_host_s`` less, a view of 0.5 µs no less than nothing. Hand sum: a 10 µs ``mm`` and a
+    0.5 µs ``view`` at -1 µs an op: 9 + 0 = 9 µs (the unfloored sum would be 8.5)."""
+    from topomesh.cost.ops import profile_key
+    from topomesh.sim.price import Pricer, dtensor_dispatch
+    from topomesh.trace.graph import OpRecord, Phase, TensorMeta
+    from topomesh.trace.result import Part, Segment
+
+    t = TensorMeta(shape=(8,), dtype="float32", stride=(1,))
+    mm = OpRecord(op="aten.mm.default", inputs=(t,), outputs=(t,), phase=Phase.FORWARD)
+    view = OpRecord(op="aten.view.default", inputs=(t,), outputs=(t,), phase=Phase.FORWARD)
+    table = {profile_key(mm): 10e-6, profile_key(view): 0.5e-6}
+    cluster = dataclasses.replace(load_cluster("dgx-h100", gpus=1), fb_host_s=-1e-6)
+    pricer = Pricer(cluster, lambda _: None, table)
+    pricer.dispatch = dtensor_dispatch(cluster, [])
+    got = pricer.digest([Segment(part=Part.BLOCK, phase=Phase.FORWARD, layer=0, events=(mm, view))])
+    assert got.compute_s == pytest.approx(9e-6)
 
 
 def test_the_measured_host_work_prices_forward_and_backward_ops_on_any_layout():

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                     step = in_step_tables(args.model, args.seq_len, [(text, lay)], training,
                                           threads=args.threads, copies=copies, replays=args.replays).get(text)
             cluster = clusters[lay.world_size]
-            if step is not None and step.host_fb_s is not None:  # TP's, EP's or recomputation's host work, measured
+            if step is not None and step.host_fb_s is not None:  # its eager step's host work beyond the replay
                 cluster = with_fb_host(cluster, traces[text], step.host_fb_s)
             # one simulator per layout: op times are memoized per simulator, and each layout has its own
             sim = Simulator(model=model, cluster=cluster, cache=cache,

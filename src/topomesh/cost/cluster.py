@@ -138,9 +138,11 @@ class Cluster:
     fb_host_s: float | None = None
     """Where ``validate`` measured it on the layout's own eager step
     (:func:`topomesh.sim.price.with_fb_host`): what each traced forward or backward op costs the
-    computing thread beyond the op itself, under tensor or expert parallel (DTensor's dispatch,
-    the parallel styles' and expert parallel's hooks, autograd around them); it takes the place
-    of :attr:`dtensor_block_dispatch_s` and ``_rest_`` for those phases. None: not measured."""
+    computing thread beyond the op itself (DTensor's dispatch, the parallel styles', expert
+    parallel's and checkpointing's hooks, autograd around them), negative where the eager step
+    ran its ops for less than their replay (:func:`topomesh.cost.instep.in_step_times`); it takes
+    the place of :attr:`dtensor_block_dispatch_s` and ``_rest_`` for those phases. None: not
+    measured."""
     fsdp_reduce_s: float = 0.0
     """Host seconds an FSDP2 unit's hooks and reduction cost on the computing thread per forward
     and backward, paid per reduction FSDP2 issues (a ``c10d.`` reduce-scatter or all-reduce

@@ -56,7 +56,6 @@ import torch.fx
 
 from topomesh.cost.ops import Key, profilable, profile_key
 from topomesh.errors import LayoutError
-from topomesh.layout.dims import Axis
 
 REPEATS = 5
 WARMUP = 1
@@ -201,37 +200,17 @@ def signature_times(gm: torch.fx.GraphModule, groups: Any, node_s: Mapping[torch
     return {k: statistics.fmean(v) for k, v in acc.items()}
 
 
-HOOKED_AXES = (Axis.TP, Axis.EP)
-"""Axes whose forward and backward run more than their graph's ops: tensor parallel (DTensor's
-dispatch, the styles' hooks and redistributions) and expert parallel (its dispatch and combine
-hooks around the all-to-alls). Measured on ``tiny-moe`` at 128 tokens, ``ep=2`` (one
-micro-batch, fake group, 2-vCPU Xeon): eager 16.3 and 17.3 ms against 13.5 and 13.1 ms of
-replayed forward and backward ops; one process without a parallel axis: within 1 ms either
-way. FSDP2's host work is priced per collective instead (:attr:`~topomesh.cost.cluster.Cluster.fsdp_gather_s`)."""
-
-HOOKED_RECOMPUTE = ("selective", "full")
-"""Recomputation modes whose forward and backward run more than their graph's ops: activation
-checkpointing's saved-tensor hooks and, for ``selective``, its caching dispatch mode around every
-op of a block's forward and of its recomputation."""
-
-
-def host_work(degrees: Mapping[str, int], recompute: str = "none") -> bool:
-    """Whether a rank of ``degrees`` runs work in its forward and backward outside its graph's
-    ops that the replay misses, so the eager step is measured too: under :data:`HOOKED_AXES`,
-    or with recomputation (:data:`HOOKED_RECOMPUTE`)."""
-    return any(dict(degrees).get(a.value, 1) > 1 for a in HOOKED_AXES) or recompute in HOOKED_RECOMPUTE
-
-
 @dataclass(frozen=True, slots=True)
 class InStep:
     """What one layout's replay measured: the op table of its step (:func:`signature_times`)
-    and, where its forward and backward run on DTensors, the host work they do beyond those
-    ops (:func:`eager_fb_s` less the replay's forward and backward)."""
+    and the host work its eager forward and backward do beyond those ops (:func:`eager_fb_s`
+    less the replay's forward and backward; :func:`in_step_times` says why)."""
 
     table: dict[Key, float]
     host_fb_s: float | None = None
     """Thread seconds of one micro-batch's eager forward and backward on the fake group beyond
-    the replay's sum of the same ops; None: not measured (neither tensor nor expert parallel)."""
+    the replay's sum of the same ops, negative where the eager step ran them for less; None:
+    not measured (the eager step failed, or ``host=False``)."""
 
 
 def mean_in_step(steps: Sequence[InStep]) -> InStep:
@@ -254,10 +233,25 @@ def mean_in_step(steps: Sequence[InStep]) -> InStep:
 
 def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch_size: int,
                   dtype: torch.dtype, repeats: int = REPEATS, warmup: int = WARMUP,
-                  host: bool | None = None) -> InStep:
+                  host: bool = True) -> InStep:
     """In-step seconds per op-table key for one rank of ``degrees`` (see the module docstring);
-    where ``host`` (default: :func:`host_work` of ``degrees`` without recomputation) also the
-    host work of its forward and backward beyond its ops."""
+    with ``host`` also the host work of its forward and backward beyond its ops, signed.
+
+    Some steps run more than their graph's ops: tensor parallel (DTensor's dispatch, the styles'
+    hooks and redistributions), expert parallel (its dispatch and combine hooks around the
+    all-to-alls), activation checkpointing (saved-tensor hooks; ``selective``'s caching dispatch
+    mode around every op of a block), FSDP2 (its units' hooks). Measured on ``tiny-moe`` at 128
+    tokens, ``ep=2`` (one micro-batch, fake group, 2-vCPU Xeon): eager 16.3 and 17.3 ms against
+    13.5 and 13.1 ms of replayed forward and backward ops. And a step can run its ops for less than
+    the replay: the replay calls every node from Python through its ``OpOverload``, where the
+    eager step calls the pieces of a composite op (``linear``'s transpose and matmul) and every
+    backward op from C++. On ``tiny-moe`` at 128 tokens, one process,
+    whose ops take 5-6 µs each (2-vCPU EPYC, 2026-11-27): the replayed forward and backward came
+    to 1.19 times the eager step (median of five rounds; 1035 nodes), and the eager less the replay
+    was -0.8, -1.1 and -1.9 ms of 11 ms a micro-batch in three fresh rounds; on
+    ``benchmarks/validate_llama.json`` (65 ms a micro-batch) -0.3 to -5.2 ms. Until 2026-11-27 only tensor and expert parallel and recomputation were measured so,
+    and the difference was kept only where positive: ``tiny-moe``'s one-process step came out 27 %
+    over (63.0 ms predicted, 49.5 measured)."""
     from topomesh.trace.graph import Phase
     from topomesh.trace.tracer import PHASE_META, with_step_graph
 
@@ -274,7 +268,7 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
                             if node.meta.get(PHASE_META) in (Phase.FORWARD, Phase.BACKWARD)))
 
     with_step_graph(spec, parallelize, degrees, use, batch_size=batch_size, dtype=dtype)
-    if not (host_work(degrees) if host is None else host):
+    if not host:
         return InStep(out)
     try:
         eager = eager_fb_s(spec, parallelize, degrees, batch_size=batch_size, dtype=dtype, repeats=repeats)
@@ -283,7 +277,7 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
         print(f"topomesh: {dict(degrees)}: the eager step for the host work beyond its ops failed "
               f"({type(exc).__name__}: {first}); its ops keep this CPU's measured figures", file=sys.stderr)
         return InStep(out)
-    return InStep(out, max(0.0, eager - replayed[0]))
+    return InStep(out, eager - replayed[0])
 
 
 def eager_fb_s(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, batch_size: int, dtype: torch.dtype,
@@ -348,7 +342,7 @@ def run(spec: Mapping[str, Any]) -> dict[str, dict]:
         layout = resolve_layout(degrees, math.prod(degrees.values()), order=item.get("order"))
         (mspec, parallelize, traced), kw = trace_request(model, layout, training)
         got = in_step_times(mspec, parallelize, traced, batch_size=kw["batch_size"], dtype=kw["dtype"],
-                            repeats=int(spec.get("repeats", REPEATS)), host=host_work(traced, training.recompute))
+                            repeats=int(spec.get("repeats", REPEATS)))
         result[item["text"]] = {"ops": [[list(k), s] for k, s in got.table.items()], "host_fb_s": got.host_fb_s}
     return result
 
@@ -373,8 +367,8 @@ def read_result(path: Path) -> dict[str, InStep]:
                 raise LayoutError(f"{where}: a malformed in-step op time.")
             table[tuple(row[0])] = float(row[1])
         host = item.get("host_fb_s")
-        if host is not None and not (isinstance(host, int | float) and 0 <= host < 1e4):
-            raise LayoutError(f"{where}: host_fb_s must be seconds in [0, 1e4) or null, got {str(host)[:40]}.")
+        if host is not None and not (isinstance(host, int | float) and -1e4 < host < 1e4):
+            raise LayoutError(f"{where}: host_fb_s must be seconds in (-1e4, 1e4) or null, got {str(host)[:40]}.")
         out[str(layout)] = InStep(table, None if host is None else float(host))
     return out
 

@@ -382,7 +382,7 @@ class Pricer:
                     if hit is None:
                         continue
                     s, was_measured, matmul_grad = hit
-                    s += self.dispatch.get((e.phase, seg.part), 0.0)
+                    s = max(0.0, s + self.dispatch.get((e.phase, seg.part), 0.0))  # measured: may be < 0
                     if was_measured:
                         measured += 1
                     else:
@@ -625,7 +625,9 @@ def with_fb_host(cluster: Cluster, trace: Trace, host_fb_s: float) -> Cluster:
     taken from ``host_fb_s``, the host work one micro-batch's forward and backward of ``trace``
     (composed to full depth) measured beyond its ops (:func:`topomesh.cost.instep.eager_fb_s`
     less the replay): what is left after its collectives' host work (:func:`collective_host_s`),
-    per op :meth:`Pricer.digest` prices.
+    per op :meth:`Pricer.digest` prices. Negative where the eager step ran its ops for less than
+    the replay (:func:`topomesh.cost.instep.in_step_times`): each op then costs that much less,
+    never below nothing.
 
     Where the trace has no such op, ``cluster`` as it is.
     """
@@ -639,7 +641,7 @@ def with_fb_host(cluster: Cluster, trace: Trace, host_fb_s: float) -> Cluster:
             colls += collective_host_s(cluster, e)
     if not ops:
         return cluster
-    return dataclasses.replace(cluster, fb_host_s=max(0.0, host_fb_s - colls) / ops)
+    return dataclasses.replace(cluster, fb_host_s=(host_fb_s - colls) / ops)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,9 +13,9 @@ profile, its measured op table), then a real run of the same model, layout and k
   this CPU at ``threads`` threads (:func:`~topomesh.cost.ops.profile_ops`), the same
   fingerprint the prediction reads, so op times are measured under the thread count the
   real runs use; then, just before each layout's real run, its ops timed inside its replayed
-  step (:func:`in_step_tables`), which price that layout instead, and under tensor or expert
-  parallel its eager forward and backward on a fake group, whose time beyond those ops prices
-  their host work per op for that layout (:func:`~topomesh.sim.price.with_fb_host`).
+  step (:func:`in_step_tables`), which price that layout instead, and its eager forward and
+  backward on a fake group, whose time beyond (or short of) those ops prices their host work
+  per op for that layout (:func:`~topomesh.sim.price.with_fb_host`).
 
 :func:`compare` turns predictions and measurements into the report (relative errors, the
 means, whether the predicted fastest layout is the measured fastest).
@@ -299,8 +299,8 @@ def ensure_ops(records: Sequence[Any], *, progress: Callable[[int, int, str], No
 
 def in_step_tables(model: str, seq_len: int | None, layouts: Sequence[tuple[str, Any]], training: Any, *,
                    threads: int, timeout_s: float = 900.0, copies: int = 1, replays: int = 1) -> dict[str, Any]:
-    """Per layout text, the op times of its traced step replayed for real and, under tensor or
-    expert parallel or with recomputation, its forward and backward's host work beyond them
+    """Per layout text, the op times of its traced step replayed for real and its forward and
+    backward's host work beyond them
     (:class:`topomesh.cost.instep.InStep`), measured in a child process under the real runs'
     thread count and malloc settings; the op times take precedence over the op table's isolated
     times.
