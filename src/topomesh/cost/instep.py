@@ -59,6 +59,14 @@ from topomesh.errors import LayoutError
 
 REPEATS = 5
 WARMUP = 1
+EAGER_REPEATS = 3
+"""The eager forward and backward runs :func:`in_step_times` takes the median of, per replay
+repeat: now that it prices every layout's forward and backward (a one-process layout's exactly),
+its median should outlast a slow spell of the host. Sixteen eager runs after the replay in each
+of four fresh processes (``benchmarks/validate_llama.json``, one process, 2-vCPU EPYC,
+2026-11-27): the median of runs 3-7 was 65.4, 64.5, 65.4 and 81.4 ms, of runs 4-16 65.8, 67.4,
+64.3 and 76.2 (the fourth process ran into a slow spell: 89, 88, 84, ... 64 ms); the first two
+or three runs of a process are 5-8 % slower than the rest."""
 
 
 def real_tensor(fake: torch.Tensor) -> torch.Tensor:
@@ -271,7 +279,8 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
     if not host:
         return InStep(out)
     try:
-        eager = eager_fb_s(spec, parallelize, degrees, batch_size=batch_size, dtype=dtype, repeats=repeats)
+        eager = eager_fb_s(spec, parallelize, degrees, batch_size=batch_size, dtype=dtype,
+                           repeats=EAGER_REPEATS * repeats, warmup=3)
     except Exception as exc:  # the user's model on real tensors: the per-CPU figures price it instead
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         print(f"topomesh: {dict(degrees)}: the eager step for the host work beyond its ops failed "
