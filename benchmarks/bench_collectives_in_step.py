@@ -23,6 +23,18 @@ make a skeleton of the step. Two gloo processes on loopback then run it three wa
 is the same layout's tensor-parallel communication in its forward and backward (its
 timeline's comm events, optimizer excluded), priced with the saved collective profile.
 The stepping thread's wait for a core (``schedstat``) is printed per mode.
+
+``--real-step`` times the layout's own step instead of a skeleton, for layouts whose
+collectives are plain c10d calls (FSDP2 and its replicate-only form; no pipeline)::
+
+    python benchmarks/bench_collectives_in_step.py --layout dp_shard=2 --real-step [--steps 8]
+
+``topomesh validate``'s worker runs it under ``topomesh launch`` with every plain c10d call
+FSDP2 makes (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce``) timed on each
+rank, the call and its work's ``wait`` both, and each step's forward and backward spanned;
+per rank the median over the timed steps of the forward and backward, of the collectives
+inside it, and of the rest (the compute outside them), against the simulator's exposed
+forward and backward communication, compute and optimizer.
 """
 
 from __future__ import annotations
@@ -103,6 +115,101 @@ def _rank(rank: int, store_path: str, skeleton: list, rounds: int, out: str) -> 
     os._exit(0)
 
 
+TIMED_CALLS = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor",
+               "reduce_scatter_tensor")
+"""The plain c10d functions ``--real-step`` times (FSDP2 issues the first three on CPU)."""
+
+
+def _as_worker(argv: list[str]) -> None:
+    """Under ``topomesh launch``: the validate worker with :data:`TIMED_CALLS` timed and each
+    plain step's forward and backward spanned; rank ``r`` writes ``OUT.rank{r}.json``."""
+    import torch.distributed as dist
+
+    from topomesh.validate import worker
+
+    calls: list[dict] = []
+    spans: list[tuple[float, float]] = []
+
+    class TimedWork:
+        def __init__(self, work: object, rec: dict) -> None:
+            self._work, self._rec = work, rec
+
+        def wait(self, *a: object, **k: object) -> object:
+            t0 = time.perf_counter()
+            out = self._work.wait(*a, **k)
+            self._rec["s"] += time.perf_counter() - t0
+            return out
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._work, name)
+
+    def timed(fn):  # noqa: ANN001, ANN202
+        def call(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            work = fn(*a, **k)
+            rec = {"op": fn.__name__, "t": t0, "s": time.perf_counter() - t0}
+            calls.append(rec)
+            return None if work is None else TimedWork(work, rec)
+        return call
+
+    for name in TIMED_CALLS:
+        setattr(dist, name, timed(getattr(dist, name)))
+    plain = worker._plain_step
+
+    def spanned(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        step = plain(*a, **k)
+
+        def run(tokens: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            step(tokens)
+            spans.append((t0, time.perf_counter()))
+        return run
+
+    worker._plain_step = spanned
+    code = worker.main(argv)
+    out = argv[argv.index("--out") + 1]
+    Path(f"{out}.rank{os.environ['RANK']}.json").write_text(json.dumps({"calls": calls, "spans": spans}))
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _real_step(args: argparse.Namespace, text: str, layout: object, training: object) -> tuple[dict, list[dict]]:
+    """The validate worker's record of ``layout`` run for real (:func:`_as_worker`), and each
+    rank's timings."""
+    from topomesh.validate.run import _knobs, _run_child
+
+    degrees = {a.value: layout.degree(a) for a in layout.order}
+    spec = {"model": args.model, "seq_len": args.seq_len, "degrees": degrees, "order": layout.order_text(),
+            "threads": 1, "warmup": 2, "steps": args.steps, "training": _knobs(training), "device": "cpu"}
+
+    def argv(tmp: Path) -> list[str]:
+        return ["-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
+                "--log-dir", str(tmp / "logs"), "--topology", "off", str(Path(__file__).resolve()), "--as-worker"]
+
+    def read(out: Path) -> tuple[dict, list[dict]]:
+        ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(layout.world_size)]
+        return json.loads(out.read_text()), ranks
+
+    return _run_child(f"the timed real run of {text}", spec, argv, read, threads=1, timeout_s=900.0)
+
+
+def _report_real(text: str, record: dict, ranks: list[dict], steps: int, priced: object, priced_comm: float) -> None:
+    print(f"{text}: the real step ({steps} timed steps; median {statistics.median(record['step_s']) * 1e3:.1f} ms "
+          f"with the optimizer) against the simulator's parts")
+    for r, got in enumerate(ranks):
+        rows = []
+        for a, b in got["spans"][-steps:]:
+            coll = sum(c["s"] for c in got["calls"] if a <= c["t"] <= b)
+            n = sum(1 for c in got["calls"] if a <= c["t"] <= b)
+            rows.append((b - a, coll, b - a - coll, n))
+        fb, coll, rest = (statistics.median(x[i] for x in rows) * 1e3 for i in range(3))
+        print(f"  rank {r}: forward+backward {fb:.1f} ms, its {rows[-1][3]} collectives {coll:.1f} ms "
+              f"({' '.join(f'{x[1] * 1e3:.0f}' for x in rows)}), compute outside them {rest:.1f} ms")
+    b = priced.breakdown
+    print(f"  simulator: forward/backward communication {priced_comm * 1e3:.1f} ms, compute {b.compute_s * 1e3:.1f} ms, "
+          f"optimizer {b.optimizer_s * 1e3:.1f} ms, step {priced.step_time_s * 1e3:.1f} ms")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(Path(__file__).with_name("validate_llama.json")))
@@ -110,6 +217,8 @@ def main() -> int:
     p.add_argument("--layout", default="tp=2", help="a two-rank layout whose forward and backward issue collectives")
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--real-step", action="store_true", help="time the layout's own step (FSDP2 layouts, no pipeline)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps of --real-step (default 8)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -118,6 +227,7 @@ def main() -> int:
     from topomesh.cli.validate import _layouts
     from topomesh.cost.cluster import local_cluster
     from topomesh.cost.ops import op_time_s, profilable
+    from topomesh.layout.dims import Axis
     from topomesh.sim.inputs import load_model
     from topomesh.sim.price import collective_host_s, grad_probe_records, with_fb_host
     from topomesh.sim.simulate import DTYPES, Simulator, Training, micro_batches
@@ -159,6 +269,12 @@ def main() -> int:
                       if ev.get("ph") == "X" and ev.get("pid") == 0 and ev.get("tid") != 0
                       and not ev["name"].startswith("optimizer")) / 1e6
 
+    if args.real_step:
+        if layout.degree(Axis.PP) > 1:
+            raise SystemExit(f"--layout {args.layout}: --real-step times a step without a pipeline")
+        record, ranks = _real_step(args, text, layout, training)
+        _report_real(text, record, ranks, args.steps, priced, priced_comm)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o700)
         out = str(Path(tmp) / "out.json")
@@ -181,4 +297,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--as-worker" in sys.argv:
+        _as_worker([a for a in sys.argv[1:] if a != "--as-worker"])
     sys.exit(main())
