@@ -253,13 +253,13 @@ def in_step_times(spec: Any, parallelize: Any, degrees: Mapping[str, int], *, ba
     13.5 and 13.1 ms of replayed forward and backward ops. And a step can run its ops for less than
     the replay: the replay calls every node from Python through its ``OpOverload``, where the
     eager step calls the pieces of a composite op (``linear``'s transpose and matmul) and every
-    backward op from C++. On ``tiny-moe`` at 128 tokens, one process,
-    whose ops take 5-6 µs each (2-vCPU EPYC, 2026-11-27): the replayed forward and backward came
-    to 1.19 times the eager step (median of five rounds; 1035 nodes), and the eager less the replay
-    was -0.8, -1.1 and -1.9 ms of 11 ms a micro-batch in three fresh rounds; on
-    ``benchmarks/validate_llama.json`` (65 ms a micro-batch) -0.3 to -5.2 ms. Until 2026-11-27 only tensor and expert parallel and recomputation were measured so,
-    and the difference was kept only where positive: ``tiny-moe``'s one-process step came out 27 %
-    over (63.0 ms predicted, 49.5 measured)."""
+    backward op from C++. On ``tiny-moe`` at 128 tokens, one process, whose ops take 5-6 µs each
+    (2-vCPU EPYC, 2026-11-27): the replayed forward and backward came to 1.19 times the eager
+    step (median of five rounds; 1035 nodes), and the eager less the replay was -0.8, -1.1 and
+    -1.9 ms of 11 ms a micro-batch in three fresh rounds; on ``benchmarks/validate_llama.json``
+    (65 ms a micro-batch) -0.3 to -5.2 ms. Until 2026-11-27 only tensor and expert parallel and
+    recomputation were measured so, and the difference was kept only where positive:
+    ``tiny-moe``'s one-process step came out 27 % over (63.0 ms predicted, 49.5 measured)."""
     from topomesh.trace.graph import Phase
     from topomesh.trace.tracer import PHASE_META, with_step_graph
 
