@@ -176,11 +176,9 @@ def _as_worker(argv: list[str]) -> None:
 def _real_step(args: argparse.Namespace, text: str, layout: object, training: object) -> tuple[dict, list[dict]]:
     """The validate worker's record of ``layout`` run for real (:func:`_as_worker`), and each
     rank's timings."""
-    from topomesh.validate.run import _knobs, _run_child
+    from topomesh.validate.run import _run_child, worker_spec
 
-    degrees = {a.value: layout.degree(a) for a in layout.order}
-    spec = {"model": args.model, "seq_len": args.seq_len, "degrees": degrees, "order": layout.order_text(),
-            "threads": 1, "warmup": 2, "steps": args.steps, "training": _knobs(training), "device": "cpu"}
+    spec = worker_spec(args.model, args.seq_len, layout, training, steps=args.steps, warmup=2, threads=1)
 
     def argv(tmp: Path) -> list[str]:
         return ["-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),

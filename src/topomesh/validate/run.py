@@ -355,13 +355,19 @@ def _child_env(threads: int) -> dict[str, str]:
 # ------------------------------------------------------------------ real runs
 
 
+def worker_spec(model: str, seq_len: int | None, layout: Any, training: Any, *, steps: int, warmup: int,
+                threads: int, device: str = "cpu") -> dict[str, Any]:
+    """The spec :mod:`topomesh.validate.worker` reads for one real run of ``layout``."""
+    degrees = {a.value: layout.degree(a) for a in layout.order}
+    return {"model": model, "seq_len": seq_len, "degrees": degrees, "order": layout.order_text(),
+            "threads": threads, "warmup": warmup, "steps": steps, "training": _knobs(training), "device": device}
+
+
 def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, steps: int, warmup: int,
             threads: int, device: str = "cpu", timeout_s: float = 900.0) -> dict[str, Any]:
     """Run ``layout`` for real (see :mod:`topomesh.validate.worker`) on ``device`` (``cpu``:
     gloo processes; ``cuda``: a GPU per rank, NCCL); rank 0's record."""
-    degrees = {a.value: layout.degree(a) for a in layout.order}
-    spec = {"model": model, "seq_len": seq_len, "degrees": degrees, "order": layout.order_text(),
-            "threads": threads, "warmup": warmup, "steps": steps, "training": _knobs(training), "device": device}
+    spec = worker_spec(model, seq_len, layout, training, steps=steps, warmup=warmup, threads=threads, device=device)
 
     def argv(tmp: Path) -> list[str]:
         return ["-m", "topomesh", "launch", "--standalone", "--nproc-per-node", str(layout.world_size),
