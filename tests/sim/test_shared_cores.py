@@ -539,3 +539,57 @@ def test_a_whole_nodes_group_keeps_its_calibrated_time_and_pays_the_nodes_cost_a
         rec = CollectiveRecord(kind=CollectiveKind.ALL_GATHER, bytes=1 << 20, group_size=n, mesh_axis=axis)
         fitted = group_collective_time_s(rec, links[axis], c.profile)
         assert pricer.comm(rec, gap_s=0.005).seconds == pytest.approx(fitted * factor + extra, rel=1e-12), axis
+
+
+def test_a_blocking_collective_waits_for_its_last_rank_after_compute_but_a_hand_off_does_not():
+    """Four ranks on two cores (compute share 2), a pair measured to arrive 0.4 ms late beyond
+    its stretch's slope and all four 0.8 ms. The wait is paid in full after at least the
+    calibration's shortest segment (2 ms alone, 4 ms priced), a quarter of it after 1 ms,
+    none back to back; a group of three (not measured) takes the node's; a pipeline's hand-off
+    none (its engine times both sides)."""
+    from topomesh.cost.calibrate import STRETCH_SEGMENTS_S
+    from topomesh.sim.price import Pricer
+
+    assert min(STRETCH_SEGMENTS_S) == 0.002  # the hand figures below
+    c = dataclasses.replace(load_cluster("dgx-h100", gpus=4), collectives_share_compute=True, cores=2,
+                            threads_per_rank=1, compute_stretch=2.0, compute_stretches=((2, 1.1), (4, 2.0)))
+    waiting = dataclasses.replace(c, stretch_waits_s=((2, 4e-4), (4, 8e-4)))
+    links = {a: axis_link(c, place(c.topology, lay), [a]) for a, lay in (("tp", Layout(tp=2, dp_shard=2)),
+                                                                         ("dp_shard", Layout(dp_shard=4)),
+                                                                         ("pp", Layout(pp=2, dp_shard=2)))}
+    without, with_ = Pricer(c, links.__getitem__, {}), Pricer(waiting, links.__getitem__, {})
+    for axis, n, kind, gap, wait in (("tp", 2, CollectiveKind.ALL_REDUCE, 0.004, 4e-4),
+                                     ("tp", 2, CollectiveKind.ALL_REDUCE, 1.0, 4e-4),
+                                     ("tp", 2, CollectiveKind.ALL_GATHER, 0.001, 1e-4),
+                                     ("tp", 2, CollectiveKind.ALL_GATHER, 0.0, 0.0),
+                                     ("dp_shard", 4, CollectiveKind.REDUCE_SCATTER, 0.01, 8e-4),
+                                     ("pp", 2, CollectiveKind.SEND_RECV, 1.0, 0.0)):
+        rec = CollectiveRecord(kind=kind, bytes=1 << 20, group_size=n, mesh_axis=axis)
+        added = with_.comm(rec, gap_s=gap).seconds - without.comm(rec, gap_s=gap).seconds
+        assert added == pytest.approx(wait, abs=1e-12), (axis, kind, gap)
+    assert waiting.meeting_wait_s(1.0, 3) == pytest.approx(8e-4)
+
+
+@pytest.mark.parametrize("degrees", [{"dp_replicate": 2}, {"dp_shard": 2}, {"tp": 2}])
+def test_a_step_pays_the_meeting_wait_once_per_blocking_collective_at_most(model, degrees):
+    """On two ranks sharing cores, a wait per meeting adds to the exposed collectives only:
+    at least one collective after compute pays some of it, none pays more than all of it, and
+    the compute is priced as before; on GPUs (collectives beside the compute) nothing."""
+    cpu_like = dataclasses.replace(load_cluster("dgx-h100", gpus=2), collectives_share_compute=True, cores=2,
+                                   threads_per_rank=1)
+    layout, training = Layout(**degrees), Training(global_batch=2)
+    sim = Simulator(model=model, cluster=cpu_like)
+    a = sim.simulate(layout, training)
+    b = Simulator(model=model, cluster=dataclasses.replace(cpu_like, stretch_waits_s=((2, 5e-4),))).simulate(
+        layout, training)
+    trace = sim.trace(layout, training)
+    full = trace.compose(model.spec.n_layers) if model.spec.n_layers > trace.traced_layers else trace
+    count = sum(1 for e in full.events() if isinstance(e, CollectiveRecord) and e.group_size > 1)
+    micro = training.global_batch // (training.micro_batch * layout.world_size // layout.degree(Axis.TP))
+    added = sum(b.breakdown.exposed_comm_s.values()) - sum(a.breakdown.exposed_comm_s.values())
+    assert 0 < added <= 5e-4 * count * micro + 1e-12
+    assert b.breakdown.compute_s == pytest.approx(a.breakdown.compute_s, rel=1e-12)
+    gpu = load_cluster("dgx-h100", gpus=2)
+    c = Simulator(model=model, cluster=dataclasses.replace(gpu, stretch_waits_s=((2, 5e-4),))).simulate(
+        layout, training)
+    assert c.step_time_s == pytest.approx(Simulator(model=model, cluster=gpu).simulate(layout, training).step_time_s)
