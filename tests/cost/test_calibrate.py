@@ -194,8 +194,8 @@ def test_the_stretch_is_measured_for_every_power_of_two_and_the_host(monkeypatch
     monkeypatch.setattr(dist, "barrier", lambda: None)
     monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: None)
     monkeypatch.setattr(dist, "all_gather", all_gather)
-    got, slope, wait = calibrate.measure_compute_stretch(ranks, budget_s=0.02)
-    assert set(got) == set(slope) == set(wait) == counts
+    got = calibrate.measure_compute_stretch(ranks, budget_s=0.02)
+    assert set(got) == counts
     # the same work timed alone and "together" by one process: about 1 (a loaded machine moves it)
     assert all(0.3 < v < 3 for v in got.values())
     assert gathered == [len(ranks)] * len(counts) * len(calibrate.STRETCH_SEGMENTS_S)
@@ -243,50 +243,11 @@ def test_a_rank_that_waits_for_a_core_waits_inside_its_time(monkeypatch):
     monkeypatch.setattr(dist, "barrier", lambda: None)
     monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: None)
     monkeypatch.setattr(dist, "all_gather", all_gather)
-    got, slope, wait = calibrate.measure_compute_stretch([0, 1], budget_s=0.001)
+    got = calibrate.measure_compute_stretch([0, 1], budget_s=0.001)
     assert got == {"2": pytest.approx(1.5)}
-    assert (slope, wait) == ({"2": pytest.approx(1.5)}, {"2": 0.0})  # one length: no wait to tell apart
     assert len(waits) == 20  # 10 repeats a team (the floor)
     # each start set by the lead ahead of its clock
     assert waits[0] == pytest.approx(100.0 + calibrate.STRETCH_START_S)
-
-
-def test_the_stretch_by_length_splits_into_a_slope_and_a_wait_per_meeting(monkeypatch):
-    """Faked clock: a matmul takes 1 ms; together, the last rank finishes 1.5 times its work
-    plus 1 ms after the common start. By hand, 2 and 8 ms segments take 4 and 13 ms: ratios
-    2.0 and 1.625, their mean 1.8125; fitted, slope 1.5 and wait 1 ms."""
-    import torch.distributed as dist
-
-    from topomesh.cost import calibrate
-
-    now, together = [100.0], [False]
-
-    def wait_until(at):
-        now[0] = at
-
-    def chain(k):
-        now[0] += k * 1e-3 * (1.5 if together[0] else 1.0) + (1e-3 if together[0] else 0.0)
-
-    def all_gather(out, t):
-        for o in out:
-            o.copy_(t)
-
-    monkeypatch.setattr(calibrate, "STRETCH_SEGMENTS_S", (0.002, 0.008))
-    monkeypatch.setattr(calibrate, "_timed_chain", lambda lead: (chain, 1e-3))
-    monkeypatch.setattr(calibrate, "_monotonic", lambda: now[0])
-    monkeypatch.setattr(calibrate, "_wait_until", wait_until)
-    monkeypatch.setattr(dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(dist, "broadcast", lambda t, src, group=None: None)
-    monkeypatch.setattr(dist, "all_gather", all_gather)
-    # each length's repeats run alone first (10, the floor), then the pair's: one barrier each
-    budget = 0.001
-    order = [n == 2 for _ in (0.002, 0.008) for n in (1, 2) for _ in range(10)]
-    barriers = iter(order)
-    monkeypatch.setattr(dist, "barrier", lambda: together.__setitem__(0, next(barriers)))
-    got, slope, wait = calibrate.measure_compute_stretch([0, 1], budget_s=budget)
-    assert got == {"2": pytest.approx((2.0 + 1.625) / 2)}
-    assert slope == {"2": pytest.approx(1.5)} and wait == {"2": pytest.approx(1e-3)}
 
 
 @pytest.mark.parametrize("me", [0, 1, 2])
@@ -528,13 +489,6 @@ def test_pooling_keeps_the_newest_sweeps_rows_in_order_and_averages_their_stretc
     assert [r[4] for r in saved["samples"]] == [3.0, 4.0, 5.0]
     assert saved["compute_stretch"] == {"2": pytest.approx((1.2 + 1.6) / 2)}
     assert saved["measured_at"] == "t3"
-    # the stretch by length likewise: the mean of the sweeps that fitted it (t3 and t3a here)
-    saved, _ = pool_sweeps(saved, {**_sweep_meta("t3a", [5.5], 1.2), "compute_stretch_slope": {"2": 1.1},
-                                   "compute_stretch_wait_s": {"2": 4e-4}}, keep=3)
-    saved, _ = pool_sweeps(saved, {**_sweep_meta("t3b", [5.6], 1.2), "compute_stretch_slope": {"2": 1.3},
-                                   "compute_stretch_wait_s": {"2": 2e-4}}, keep=3)
-    assert saved["compute_stretch_slope"] == {"2": pytest.approx(1.2)}
-    assert saved["compute_stretch_wait_s"] == {"2": pytest.approx(3e-4)}
     # what a collective costs more between compute: the mean of the sweeps that measured it
     saved, _ = pool_sweeps(saved, {**_sweep_meta("t4", [6.0], 1.2), "collective_in_step_s": {"0.002": 4e-4}}, keep=3)
     saved, _ = pool_sweeps(saved, {**_sweep_meta("t5", [7.0], 1.2),

@@ -267,26 +267,6 @@ def test_local_takes_the_compute_stretch_measured_for_its_rank_count(tmp_path, m
     assert load_cluster("local", gpus=1).compute_stretch is None  # one rank waits for no one
 
 
-def test_local_prices_the_stretch_by_length_where_the_calibration_fitted_it(tmp_path, monkeypatch):
-    """A profile with the stretch's slope and wait per meeting: the slopes take the place of
-    the mean stretches (compute, a pipeline stage's lock-step) and the waits are kept; a profile
-    with the mean only (or a slope without a wait) keeps the mean and no wait."""
-    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
-    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
-                   compute_stretch={"2": 1.2, "4": 2.3}, compute_stretch_slope={"2": 1.08, "4": 2.2},
-                   compute_stretch_wait_s={"2": 4e-4, "4": 7e-4, "8": 0.5})
-    two, four = load_cluster("local", gpus=2), load_cluster("local", gpus=4)
-    assert two.compute_stretch == 1.08 and four.compute_stretch == 2.2
-    assert two.compute_stretches == ((2, 1.08), (4, 2.2))
-    assert two.stretch_waits_s == four.stretch_waits_s == ((2, 4e-4), (4, 7e-4))  # 0.5 s: not a wait
-    assert load_cluster("local", gpus=1).stretch_waits_s == ()
-    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
-                   compute_stretch={"2": 1.2}, compute_stretch_slope={"2": 1.08})
-    mean = load_cluster("local", gpus=2)
-    assert (mean.compute_stretch, mean.stretch_waits_s) == (1.2, ())
-
-
 @pytest.mark.parametrize("saved, taken", [
     ({"0.008": 1.5e-3, "0.0005": 2e-4}, ((0.0005, 2e-4), (0.008, 1.5e-3))),  # sorted by compute
     ({"0.002": -1e-4, "0.008": 3.0, "slow": 1e-3, "2.0": 1e-3}, ((0.002, -1e-4),)),  # 3 s, no gap, 2 s: dropped

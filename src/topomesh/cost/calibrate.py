@@ -16,8 +16,7 @@ barriers, interleaved across sizes; a point's time is the slowest rank's mean (:
 link kind (:func:`topomesh.cost.collectives.fit_collective`: alpha-beta or piecewise,
 error on held-out sizes) and writes the profile JSON. On CPU it also records how much the
 compute of ranks sharing a host stretches when they run at once (:func:`measure_compute_stretch`,
-``meta["compute_stretch"]``, and by length: ``meta["compute_stretch_slope"]`` and
-``meta["compute_stretch_wait_s"]``), which the ``local`` cluster prices compute with, what a collective
+``meta["compute_stretch"]``), which the ``local`` cluster prices compute with, what a collective
 costs more after compute (:func:`measure_collective_in_step`) and the host work of a pipeline
 schedule's action (:func:`topomesh.cost.pipeline.measure_pipeline_action`, ``meta["pipeline_action_s"]``).
 """
@@ -368,8 +367,7 @@ def _timed_chain(lead: int, group: Any = None) -> tuple[Callable[[int], None], f
     return chain, max(float(per[0]), 1e-7)
 
 
-def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5
-                            ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5) -> dict[str, Any]:
     """How much longer compute takes, until every one of ``n`` ranks has finished it, when ``n``
     ranks of one host run it at once than when one runs it alone; per ``n`` in 2, 4, ... and
     ``len(ranks)`` (call on every rank of the world; ``ranks`` are one host's).
@@ -393,23 +391,13 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5
     common start 1.95-2.14, and the same chain in four processes started together by a
     semaphore 2.07-2.15 (two ranks: 1.01-1.09 either way). In ``topomesh validate``'s sweeps,
     among its other processes: four ranks 2.09-2.31, two 1.09-1.24 in eight sweeps (1.05-1.07 before).
-
-    The stretch is not one factor at every length: two ranks of a four-rank world here took
-    1.23-1.38 times one alone for 2 ms of compute and 1.09-1.14 for 32-64 ms (two rounds of 1 to
-    64 ms), as a fixed wait per meeting (the last rank's late arrival) on top of a slope would.
-    So each count's lengths are also fitted to ``slope + wait / length`` (:func:`stretch_fit`),
-    which the ``local`` cluster prices a step's compute and its meetings with
-    (:attr:`~topomesh.cost.cluster.Cluster.stretch_waits_s`).
-
-    Returns ``({"n": stretch}, {"n": slope}, {"n": wait_s})`` on ``ranks[0]`` and three empty
-    dicts on the others."""
+    Returns ``{"n": stretch, ...}`` on ``ranks[0]`` and ``{}`` on the others."""
     import torch
     import torch.distributed as dist
 
     me, lead = dist.get_rank(), ranks[0]
     counts = sorted({2 ** i for i in range(1, len(ranks).bit_length())} | {len(ranks)} - {1})
     ratios: dict[int, list[float]] = {n: [] for n in counts}
-    lengths: list[float] = []  # the lead's mean alone, per segment length
     chain, per = _timed_chain(lead)
 
     start = torch.zeros(1, dtype=torch.float64)
@@ -434,7 +422,6 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5
         k = max(1, round(seconds / per))
         reps = max(10, round(budget_s / (seconds + STRETCH_START_S)))
         alone = timed(ranks[:1], k, reps).tolist()  # the lead's own
-        lengths.append(statistics.fmean(alone))
         for n in counts:
             team = ranks[:n]
             mine = timed(team, k, reps)
@@ -442,32 +429,7 @@ def measure_compute_stretch(ranks: Sequence[int], *, budget_s: float = 1.5
             dist.all_gather(every, mine)
             if me == lead:
                 ratios[n].append(stretch_of(alone, [[float(every[r][i]) for r in team] for i in range(reps)]))
-    if me != lead:
-        return {}, {}, {}
-    fits = {str(n): stretch_fit(lengths, r) for n, r in ratios.items()}
-    return ({str(n): statistics.fmean(r) for n, r in ratios.items()},
-            {n: slope for n, (slope, _) in fits.items()}, {n: wait for n, (_, wait) in fits.items()})
-
-
-def stretch_fit(lengths_s: Sequence[float], ratios: Sequence[float]) -> tuple[float, float]:
-    """``(slope, wait_s)`` of ``ratio = slope + wait_s / length`` fitted to compute segments of
-    ``lengths_s`` (one rank alone) that took ``ratios`` times as long on several ranks at once
-    (least squares on the ratios, so each length weighs alike): ``n`` ranks finish a segment of
-    ``t`` seconds after ``slope * t + wait_s``. A negative wait (noise: the ratio rising with
-    the length) is 0, and the slope then the mean ratio.
-
-    >>> [round(v, 6) for v in stretch_fit([0.002, 0.008, 0.032], [1.25, 1.1, 1.0625])]  # 1.05 + 0.4 ms / t
-    [1.05, 0.0004]
-    >>> stretch_fit([0.002, 0.008], [1.0, 1.2])
-    (1.1, 0.0)
-    """
-    x = [1.0 / t for t in lengths_s]
-    mx, my = statistics.fmean(x), statistics.fmean(ratios)
-    var = sum((v - mx) ** 2 for v in x)
-    wait = sum((v - mx) * (r - my) for v, r in zip(x, ratios, strict=True)) / var if var > 0 else 0.0
-    if wait <= 0:
-        return my, 0.0
-    return my - wait * mx, wait
+    return {str(n): statistics.fmean(r) for n, r in ratios.items()} if me == lead else {}
 
 
 IN_STEP_GAPS_S = (0.0005, 0.002, 0.008)
@@ -742,8 +704,6 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     kept = [*kept, this]
     return {**new, "samples": rows, "sweeps": kept,
             "compute_stretch": _mean_per_key([sw.get("compute_stretch") for sw in kept]),
-            "compute_stretch_slope": _mean_per_key([sw.get("compute_stretch_slope") for sw in kept]),
-            "compute_stretch_wait_s": _mean_per_key([sw.get("compute_stretch_wait_s") for sw in kept]),
             "collective_in_step_s": _mean_per_key([sw.get("collective_in_step_s") for sw in kept]) or None,
             "collective_in_step_pairs_s": _mean_per_key([sw.get("collective_in_step_pairs_s") for sw in kept]) or None,
             "collective_in_step_node_s": _mean_per_key([sw.get("collective_in_step_node_s") for sw in kept]) or None,
@@ -755,8 +715,6 @@ def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
     """What ``meta.sweeps`` keeps of a one-sweep profile's ``meta``."""
     return {"measured_at": meta.get("measured_at"), "points": len(meta["samples"]),
             "compute_stretch": meta.get("compute_stretch") or {}, "sweep_seconds": meta.get("sweep_seconds"),
-            "compute_stretch_slope": meta.get("compute_stretch_slope") or {},
-            "compute_stretch_wait_s": meta.get("compute_stretch_wait_s") or {},
             "collective_in_step_s": meta.get("collective_in_step_s"),
             "collective_in_step_pairs_s": meta.get("collective_in_step_pairs_s"),
             "collective_in_step_node_s": meta.get("collective_in_step_node_s"),
@@ -940,7 +898,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         samples = _sweep_with_progress(cfg, groups, device, show=me == 0 and not args.no_progress)
         # ranks sharing a host's cores (CPU): how much their concurrent compute stretches
         local = [r for r, h in enumerate(hosts) if h == hosts[0]]
-        stretch, slope, wait = measure_compute_stretch(local) if device == "cpu" else ({}, {}, {})
+        stretch = measure_compute_stretch(local) if device == "cpu" else {}
         pair = device == "cpu" and len(local) >= 2  # two ranks of one host computing on its cores
         in_step = measure_collective_in_step(local) if pair else None
         # where the host has more than two ranks: pairs while all of them step, and a group of all
@@ -963,7 +921,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "link_source": link_source, "sizes_bytes": cfg.sizes(), "collectives": [k.value for k in cfg.collectives],
             "max_repeats": cfg.max_repeats, "torch": torch.__version__, "statistic": STATISTIC,
             "compute_stretch": stretch, "compute_stretch_segments_s": list(STRETCH_SEGMENTS_S),
-            "compute_stretch_slope": slope, "compute_stretch_wait_s": wait,
             "compute_segment": COMPUTE_SEGMENT,
             "collective_in_step_s": in_step,
             "collective_in_step_pairs_s": in_step_pairs,

@@ -166,16 +166,7 @@ class Cluster:
     compute_stretches: tuple[tuple[int, float], ...] = ()
     """Every ``(rank count, stretch)`` the calibration measured on the node (:attr:`compute_stretch`
     is the one of all its ranks): what :meth:`lock_step_stretch` reads for a pipeline stage's
-    ranks. Empty: not measured. Where the calibration fitted the stretch by segment length
-    (:func:`topomesh.cost.calibrate.stretch_fit`), both hold the fit's slopes and
-    :attr:`stretch_waits_s` the rest (:func:`local_cluster`)."""
-    stretch_waits_s: tuple[tuple[int, float], ...] = ()
-    """Measured where ranks share a host's cores (``local``): per rank count, the seconds the last
-    of that many ranks arrives at a meeting after the slope of their stretch
-    (:attr:`compute_stretches`) has been paid, a fixed wait per meeting
-    (:func:`topomesh.cost.calibrate.stretch_fit`: two ranks of four here 0.25-0.66 ms, whether
-    the segment took 2 or 64 ms); priced per blocking collective by :meth:`meeting_wait_s`.
-    Empty: not measured (GPU presets; a profile from before 2026-11-27)."""
+    ranks. Empty: not measured."""
     collective_in_step_s: tuple[tuple[float, float], ...] = ()
     """Measured where collectives run on the computing cores (``local``): (seconds of compute
     before a collective, how much longer it then takes than back to back, as the calibration
@@ -303,28 +294,6 @@ class Cluster:
             return 1.0
         measured = dict(self.compute_stretches).get(ranks, 0.0)
         return max(measured, self.cores_share_at(ranks))
-
-    def meeting_wait_s(self, gap_s: float, ranks: int = 2) -> float:
-        """How long a blocking collective of ``ranks`` of the node waits, after ``gap_s`` seconds
-        of compute as priced, for the last of them to arrive beyond the slope of their stretch:
-        the measured wait of that many ranks (:attr:`stretch_waits_s`; else that of all the
-        node's), in full from the shortest segment the calibration timed
-        (:data:`~topomesh.cost.calibrate.STRETCH_SEGMENTS_S`, at :attr:`compute_share`) and
-        falling linearly to nothing with no compute before it (back to back, no one is late).
-
-        >>> import dataclasses
-        >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1,
-        ...                         compute_stretch=2.0, stretch_waits_s=((2, 4e-4), (4, 8e-4)))
-        >>> [round(c.meeting_wait_s(g, n) * 1e6) for g, n in ((0.0, 2), (0.002, 2), (0.004, 2), (1.0, 2), (1.0, 4), (1.0, 3))]
-        [0, 200, 400, 400, 800, 800]
-        """
-        waits = dict(self.stretch_waits_s)
-        wait = waits.get(ranks, waits.get(self.gpus_per_node, 0.0))
-        if wait <= 0 or gap_s <= 0:
-            return 0.0
-        from topomesh.cost.calibrate import STRETCH_SEGMENTS_S
-
-        return wait * min(1.0, gap_s / (min(STRETCH_SEGMENTS_S) * self.compute_share))
 
     def in_step_extra_s(self, gap_s: float, ranks: int = 2) -> float:
         """What a collective of ``ranks`` of a node costs more after ``gap_s`` seconds of compute,
@@ -587,35 +556,17 @@ def _in_step_points(raw: Any) -> tuple[tuple[float, float], ...]:
     return tuple(sorted(points))
 
 
-def _stretches(raw: Any, *, low: float = 1.0) -> tuple[tuple[int, float], ...]:
+def _stretches(raw: Any) -> tuple[tuple[int, float], ...]:
     """``meta.compute_stretch`` (``{"ranks": stretch}``) as sorted pairs; an entry that is not
-    a rank count of 2 or more with a stretch in [``low``, 1000] is dropped (a fitted slope may
-    come out a little under 1: ``low`` 0.5; it is priced at no less than the core share).
+    a rank count of 2 or more with a stretch in [1, 1000] is dropped.
 
     >>> _stretches({"4": 2.1, "2": 1.07, "8": "fast", "3": 0.2, "x": 1.5, "1": 1.0})
     ((2, 1.07), (4, 2.1))
-    >>> _stretches({"2": 0.98, "4": 0.3}, low=0.5)
-    ((2, 0.98),)
     """
     out = []
     for key, v in (raw.items() if isinstance(raw, dict) else ()):
         n = int(key) if isinstance(key, str) and key.isdigit() else 0
-        if n >= 2 and isinstance(v, int | float) and not isinstance(v, bool) and low <= v <= 1e3:
-            out.append((n, float(v)))
-    return tuple(sorted(out))
-
-
-def _waits(raw: Any) -> tuple[tuple[int, float], ...]:
-    """``meta.compute_stretch_wait_s`` (``{"ranks": seconds}``) as sorted pairs; an entry that is
-    not a rank count of 2 or more with seconds in [0, 0.1) is dropped.
-
-    >>> _waits({"4": 7e-4, "2": 3e-4, "8": -1.0, "x": 1e-4, "3": True, "6": 0.5})
-    ((2, 0.0003), (4, 0.0007))
-    """
-    out = []
-    for key, v in (raw.items() if isinstance(raw, dict) else ()):
-        n = int(key) if isinstance(key, str) and key.isdigit() else 0
-        if n >= 2 and isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 0.1:
+        if n >= 2 and isinstance(v, int | float) and not isinstance(v, bool) and 1 <= v <= 1e3:
             out.append((n, float(v)))
     return tuple(sorted(out))
 
@@ -661,9 +612,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     cores = len(allowed_cpus())
     fsdp_reduce, fsdp_gather = fsdp_host_s(directory=directory)
     tp_block, tp_rest = tp_host_s(directory=directory)
-    # by segment length where the calibration fitted it (slope and a wait per meeting), else one mean
-    slopes, waits = _stretches(prof.meta.get("compute_stretch_slope"), low=0.5), _waits(prof.meta.get("compute_stretch_wait_s"))
-    stretches = slopes if slopes and waits else _stretches(prof.meta.get("compute_stretch"))
+    stretches = _stretches(prof.meta.get("compute_stretch"))
     stretch = dict(stretches).get(n) if n > 1 else None
     in_step = _in_step_points(prof.meta.get("collective_in_step_s"))
     whole = n == measured and n > 2  # measured on as many ranks as this cluster has
@@ -678,7 +627,6 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    fsdp_reduce_s=fsdp_reduce, fsdp_gather_s=fsdp_gather,
                    backward_split=split_shares(directory=directory),
                    compute_stretch=stretch, compute_stretches=stretches,
-                   stretch_waits_s=waits if slopes and waits and n > 1 else (),
                    collective_in_step_s=in_step if n > 1 else (), collective_in_step_node_s=in_step_node,
                    collective_in_step_pairs_s=in_step_pairs,
                    pipeline_action_s=_action_seconds(pipe, "single"),

@@ -325,9 +325,7 @@ class Pricer:
         more: :meth:`~topomesh.cost.cluster.Cluster.functional_premium`) at the share of the
         cores the node's other ranks leave it
         (:meth:`~topomesh.cost.cluster.Cluster.collective_share`), and what it costs more after
-        that compute (:meth:`~topomesh.cost.cluster.Cluster.in_step_extra_s`), and the wait for
-        the last of its ranks to arrive (:meth:`~topomesh.cost.cluster.Cluster.meeting_wait_s`;
-        not a pipeline's hand-off, whose engine times both sides)."""
+        that compute (:meth:`~topomesh.cost.cluster.Cluster.in_step_extra_s`)."""
         link = self.link_of(rec.mesh_axis or "")
         seconds = group_collective_time_s(rec, link, self.cluster.profile)
         if self.cluster.collectives_share_compute:
@@ -336,8 +334,6 @@ class Pricer:
             if rec.op.startswith(FUNCTIONAL):  # as DTensor issues it, not as the sweep did
                 seconds += c.functional_premium(rec.kind.value, rec.dtype, rec.bytes)
             seconds = max(0.0, seconds * c.collective_share(ranks) + c.in_step_extra_s(gap_s, ranks))
-            if rec.kind is not CollectiveKind.SEND_RECV:
-                seconds += c.meeting_wait_s(gap_s, ranks)
         return Comm(axis=rec.mesh_axis or "?", stream=Stream.NET if link.nodes > 1 else Stream.INTRA, seconds=seconds,
                     role=param_role(rec))
 
