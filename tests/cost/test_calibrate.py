@@ -575,3 +575,25 @@ def test_sweeps_timed_with_another_compute_segment_are_not_pooled():
     got, why = pool_sweeps(old, new, keep=4)
     assert why == f"it measured compute_segment None, this sweep {COMPUTE_SEGMENT}"
     assert [r[4] for r in got["samples"]] == [2.0]
+
+
+@pytest.mark.timeout(60)
+def test_a_calibration_rank_killed_by_a_signal_is_named_so(tmp_path, monkeypatch):
+    """The workers stand in for by a script: rank 1 aborts itself (as glibc does on a corrupt
+    heap), rank 0 waits to be stopped. The error names the rank and the signal, not a bare
+    negative exit code, and no worker is left running."""
+    import os
+    import sys
+
+    from topomesh.cost import calibrate
+
+    pids = tmp_path / "pids"
+    script = tmp_path / "worker.sh"
+    script.write_text(f'#!/bin/sh\necho $$ >> {pids}\n[ "$RANK" = 1 ] && kill -ABRT $$\nexec sleep 30\n')
+    script.chmod(0o700)
+    monkeypatch.setattr(sys, "executable", str(script))
+    with pytest.raises(calibrate.CalibrationError, match=r"rank 1 was killed by SIGABRT"):
+        calibrate.spawn_local(2, [], timeout_s=20)
+    for pid in map(int, pids.read_text().split()):  # every worker gone (waited for: no zombie either)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

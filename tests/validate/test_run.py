@@ -606,6 +606,28 @@ def test_repeats_run_the_layouts_in_turn_and_pool_them(monkeypatch, capsys, tmp_
     predictions = iter([1.1, 2.4, 1.3, 2.6])
     assert cli.run(p.parse_args([*args_text, "--no-sweep-each-pass"])) == 0
     assert order == ["reuse 2", "dp_shard=1", "tp=2", "dp_shard=1", "tp=2"]  # the saved profile, once
+    assert json.loads(capsys.readouterr().out)["failed_sweeps"] == []
+    # a sweep that dies (a rank killed by a signal) costs no pass: the saved profile prices it
+    order.clear()
+    steps = {"dp_shard=1": iter([[1.0], [1.0]]), "tp=2": iter([[2.0], [2.0]])}
+    predictions = iter([1.1, 2.4, 1.3, 2.6])
+    sweeps = iter([saved, CalibrationError("local calibration failed: rank 1 was killed by SIGABRT.")])
+
+    def sweep(world):  # noqa: ANN001, ANN202
+        order.append(f"sweep {world}")
+        got = next(sweeps)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    monkeypatch.setattr(vrun, "pooled_collectives", sweep)
+    assert cli.run(p.parse_args(args_text)) == 0
+    assert order == ["sweep 2", "dp_shard=1", "tp=2", "sweep 2", "reuse 2", "dp_shard=1", "tp=2"]
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["failed_sweeps"] == ["run 2/2: local calibration failed: rank 1 was killed by SIGABRT."]
+    assert len(report["layouts"][0]["measured_runs_s"]) == 2  # both passes kept
+    assert "the collective sweep failed" in captured.err and "priced with the saved profile" in captured.err
     args.repeats = 0
     with pytest.raises(LayoutError, match="--repeats must be a positive integer, got 0"):
         cli.run(args)

@@ -189,14 +189,22 @@ def run(args: argparse.Namespace) -> int:
         if gpu:
             return {}, {1: load_cluster(cluster_name, gpus=1)}
         if sweep_each_pass:  # between the passes' runs
-            with err.status(f"{tag}collective sweep ({max(worlds)} processes), pooled with the saved ones"):
-                path = pooled_collectives(max(worlds))
+            try:
+                with err.status(f"{tag}collective sweep ({max(worlds)} processes), pooled with the saved ones"):
+                    path = pooled_collectives(max(worlds))
+            except CalibrationError as e:  # the passes run so far are not lost to one failed sweep
+                failed_sweeps.append(f"{tag}{e}")
+                print(f"topomesh: {tag}the collective sweep failed ({e}); priced with the saved profile",
+                      file=sys.stderr)
+                with err.status("collective profile (the saved one, else calibrated once)"):
+                    path = ensure_collectives(max(worlds))
         else:
             with err.status("collective profile (calibrated once, then reused)"):
                 path = ensure_collectives(max(worlds))
         return profile_info(path), {w: local_cluster(gpus=w) for w in worlds}
 
     tag = f"run 1/{args.repeats}: " if args.repeats > 1 else ""
+    failed_sweeps: list[str] = []
     profile, clusters = collectives(tag)
     records: list[OpRecord] = []
     traces = {}
@@ -241,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
                    "cluster": cluster_name, "global_batch": gb, "threads": args.threads, "steps": args.steps,
                    "warmup": args.warmup, "repeats": args.repeats, "cpus": cpus,
                    "replays": args.replays if in_step_on else 0,
-                   "collective_profile": profile,
+                   "collective_profile": profile, "failed_sweeps": failed_sweeps,
                    "loadavg_range": [min(x for r in results for x in r.loadavg or (0,)),
                                      max(x for r in results for x in r.loadavg or (0,))]})
     if args.json:  # the report before the picture: a picture that fails loses no measurement

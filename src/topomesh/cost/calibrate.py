@@ -24,10 +24,12 @@ schedule's action (:func:`topomesh.cost.pipeline.measure_pipeline_action`, ``met
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -1038,7 +1040,13 @@ def spawn_local(nproc: int, worker_argv: Sequence[str], *, timeout_s: float = 60
             if rank is not None:
                 tail = (Path(tmp) / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-5:]
                 tail = " | ".join(tail)
-            what = f"rank {rank} exited with {bad[rank]}" if rank is not None else f"timed out after {timeout_s} s"
+            what = f"timed out after {timeout_s} s"
+            if rank is not None:
+                code = bad[rank]
+                what = f"rank {rank} exited with {code}"
+                if code < 0:  # killed by a signal (SIGABRT: native code found its heap corrupt)
+                    with contextlib.suppress(ValueError):
+                        what = f"rank {rank} was killed by {signal.Signals(-code).name}"
             raise CalibrationError(f"local calibration failed: {what}. {tail}".strip())
         return json.loads(result_file.read_text())
 
