@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -798,3 +799,38 @@ def test_the_report_carries_how_far_each_layouts_runs_lay_apart():
     out = compare(runs)
     assert [r["runs_spread"] for r in out["layouts"]] == [pytest.approx(0.2), pytest.approx(0.1), None]
     assert out["mean_runs_spread"] == pytest.approx(0.15)
+
+
+@pytest.mark.parametrize("outcomes, calls, ok", [
+    (["abort", "ok"], 2, True),  # a native crash: run again, once
+    (["abort", "segv"], 2, False),  # crashed twice: the error
+    (["error", "ok"], 1, False),  # a Python error: at once, not run again
+])
+def test_a_child_killed_by_a_signal_runs_once_more(monkeypatch, capsys, outcomes, calls, ok):
+    import subprocess
+
+    from topomesh.validate import run as vrun
+
+    seen = []
+    words = {"abort": (1, "traceback : Signal 6 (SIGABRT) received by PID 5"), "segv": (-11, ""),
+             "error": (1, "RuntimeError: bad layout")}
+
+    def fake_run(cmd, **kw):  # noqa: ANN001, ANN003, ANN202
+        what = outcomes[len(seen)]
+        seen.append(what)
+        if what == "ok":
+            Path(cmd[cmd.index("--out") + 1]).write_text('{"steps": 3}')
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        code, err = words[what]
+        return subprocess.CompletedProcess(cmd, code, "", err)
+
+    monkeypatch.setattr(vrun.subprocess, "run", fake_run)
+    call = partial(vrun._run_child, "the real run of layout x", {}, lambda tmp: ["-c", "pass"],
+                   lambda out: json.loads(out.read_text()), threads=1, timeout_s=5)
+    if ok:
+        assert call() == {"steps": 3}
+        assert "the real run of layout x crashed (SIGABRT); running it again" in capsys.readouterr().err
+    else:
+        with pytest.raises(vrun.ValidateError, match="the real run of layout x failed"):
+            call()
+    assert len(seen) == calls

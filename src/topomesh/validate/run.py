@@ -377,12 +377,67 @@ def measure(model: str, seq_len: int | None, layout: Any, training: Any, *, step
                       threads=threads, timeout_s=timeout_s, hint="; give fewer --steps or a smaller model")
 
 
+CRASH_RETRIES = 1
+"""How many more times a child is run when a process of it was killed by a signal (a crash in
+native code, not a Python error): gloo processes here died of glibc's ``malloc(): unaligned
+tcache chunk detected`` (SIGABRT) or a segmentation fault, rarely, inside PyTorch's functional
+collectives (once in about 80 functional-premium measurements, 2026-11-27), and one crash lost
+the whole validation."""
+
+
+def died_of_signal(returncode: int, output: str) -> str | None:
+    """The signal that killed the child or one of the processes it launched (a negative exit
+    code, or torchrun's report of a worker's), as its name, else None.
+
+    >>> died_of_signal(-6, ""), died_of_signal(1, "traceback : Signal 11 (SIGSEGV) received by PID 7")
+    ('SIGABRT', 'SIGSEGV')
+    >>> died_of_signal(1, "exitcode  : -6 (pid: 9)"), died_of_signal(1, "RuntimeError: boom"), died_of_signal(0, "")
+    ('SIGABRT', None, None)
+    """
+    import re
+    import signal
+
+    number = -returncode if returncode < 0 else None
+    if number is None and returncode != 0:
+        hit = re.search(r"Signal (\d+) \(SIG\w+\) received|exitcode\s*:\s*-(\d+)", output)
+        number = int(hit.group(1) or hit.group(2)) if hit else None
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _run_child(what: str, spec: dict[str, Any], argv: Callable[[Path], list[str]], read: Callable[[Path], Any], *,
-               threads: int, timeout_s: float, hint: str = "") -> Any:
+               threads: int, timeout_s: float, hint: str = "", retries: int = CRASH_RETRIES) -> Any:
     """Run ``python argv(tmp) --spec SPEC --out OUT`` in a private temporary directory with the
     real runs' environment (:func:`_child_env`); ``read(OUT)``, or a :class:`ValidateError`
     naming ``what`` with the child's last words. The child's ``topomesh: `` lines on stderr
-    are passed on."""
+    are passed on. A child one of whose processes was killed by a signal (:func:`died_of_signal`)
+    runs again, up to ``retries`` times, and says so on stderr."""
+    left = retries
+    while True:
+        try:
+            return _run_child_once(what, spec, argv, read, threads=threads, timeout_s=timeout_s, hint=hint)
+        except _Crashed as e:
+            if left <= 0:
+                raise ValidateError(str(e)) from None
+            left -= 1
+            print(f"topomesh: {what} crashed ({e.signal}); running it again", file=sys.stderr)
+
+
+class _Crashed(Exception):
+    """A child killed by a signal (:func:`_run_child` runs it again)."""
+
+    def __init__(self, message: str, signal: str) -> None:
+        super().__init__(message)
+        self.signal = signal
+
+
+def _run_child_once(what: str, spec: dict[str, Any], argv: Callable[[Path], list[str]], read: Callable[[Path], Any],
+                    *, threads: int, timeout_s: float, hint: str) -> Any:
+    """One run of :func:`_run_child`'s child; :class:`_Crashed` where a signal killed it."""
     with tempfile.TemporaryDirectory(prefix="topomesh-validate-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_file.write_text(json.dumps(spec))
@@ -395,7 +450,11 @@ def _run_child(what: str, spec: dict[str, Any], argv: Callable[[Path], list[str]
         if proc.returncode != 0 or not out_file.is_file():
             lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
             causes = [ln for ln in lines if "Error" in ln or "terminate" in ln or "error:" in ln][:2]
-            raise ValidateError(f"{what} failed (exit {proc.returncode}): " + " | ".join(causes + lines[-3:]))
+            message = f"{what} failed (exit {proc.returncode}): " + " | ".join(causes + lines[-3:])
+            killed = died_of_signal(proc.returncode, proc.stderr + proc.stdout)
+            if killed:
+                raise _Crashed(message, killed)
+            raise ValidateError(message)
         for line in proc.stderr.splitlines():  # what the child has to say to the user (a fallback taken)
             if line.startswith("topomesh: "):
                 print(line[:400], file=sys.stderr)
