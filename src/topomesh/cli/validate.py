@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     # a GPU's one rank has no collective to sweep, and its ops are timed as kernels: no replay
     sweep_each_pass, in_step_on = args.sweep_each_pass and not gpu, args.in_step and not gpu
 
+    failed_sweeps: list[str] = []  # a pass's sweep that failed: the error (that pass priced with the saved profile)
+
     def collectives(tag: str) -> tuple[dict, dict]:
         """The collective profile (one more sweep pooled with the saved ones, or the saved one
         reused) and the local cluster of every world priced with it; on a GPU its preset's
@@ -204,7 +206,6 @@ def run(args: argparse.Namespace) -> int:
         return profile_info(path), {w: local_cluster(gpus=w) for w in worlds}
 
     tag = f"run 1/{args.repeats}: " if args.repeats > 1 else ""
-    failed_sweeps: list[str] = []
     profile, clusters = collectives(tag)
     records: list[OpRecord] = []
     traces = {}

@@ -24,11 +24,11 @@ schedule's action (:func:`topomesh.cost.pipeline.measure_pipeline_action`, ``met
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import statistics
@@ -984,6 +984,27 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def died_of_signal(returncode: int, output: str) -> str | None:
+    """The signal that killed the child or one of the processes it launched (a negative exit
+    code, or torchrun's report of a worker's), as its name, else None.
+
+    >>> died_of_signal(-6, ""), died_of_signal(1, "traceback : Signal 11 (SIGSEGV) received by PID 7")
+    ('SIGABRT', 'SIGSEGV')
+    >>> died_of_signal(1, "exitcode  : -6 (pid: 9)"), died_of_signal(1, "RuntimeError: boom"), died_of_signal(0, "")
+    ('SIGABRT', None, None)
+    """
+    number = -returncode if returncode < 0 else None
+    if number is None and returncode != 0:
+        hit = re.search(r"Signal (\d+) \(SIG\w+\) received|exitcode\s*:\s*-(\d+)", output)
+        number = int(hit.group(1) or hit.group(2)) if hit else None
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def spawn_local(nproc: int, worker_argv: Sequence[str], *, timeout_s: float = 600.0,
                 threads_per_proc: int = 1) -> dict[str, Any]:
     """Run ``nproc`` calibration workers on this host over loopback (gloo) and wait for them.
@@ -1041,12 +1062,9 @@ def spawn_local(nproc: int, worker_argv: Sequence[str], *, timeout_s: float = 60
                 tail = (Path(tmp) / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-5:]
                 tail = " | ".join(tail)
             what = f"timed out after {timeout_s} s"
-            if rank is not None:
-                code = bad[rank]
-                what = f"rank {rank} exited with {code}"
-                if code < 0:  # killed by a signal (SIGABRT: native code found its heap corrupt)
-                    with contextlib.suppress(ValueError):
-                        what = f"rank {rank} was killed by {signal.Signals(-code).name}"
+            if rank is not None:  # a signal: SIGABRT where native code found its heap corrupt
+                killed = died_of_signal(bad[rank], "")
+                what = f"rank {rank} was killed by {killed}" if killed else f"rank {rank} exited with {bad[rank]}"
             raise CalibrationError(f"local calibration failed: {what}. {tail}".strip())
         return json.loads(result_file.read_text())
 

@@ -385,36 +385,13 @@ collectives (once in about 80 functional-premium measurements, 2026-11-27), and 
 the whole validation."""
 
 
-def died_of_signal(returncode: int, output: str) -> str | None:
-    """The signal that killed the child or one of the processes it launched (a negative exit
-    code, or torchrun's report of a worker's), as its name, else None.
-
-    >>> died_of_signal(-6, ""), died_of_signal(1, "traceback : Signal 11 (SIGSEGV) received by PID 7")
-    ('SIGABRT', 'SIGSEGV')
-    >>> died_of_signal(1, "exitcode  : -6 (pid: 9)"), died_of_signal(1, "RuntimeError: boom"), died_of_signal(0, "")
-    ('SIGABRT', None, None)
-    """
-    import re
-    import signal
-
-    number = -returncode if returncode < 0 else None
-    if number is None and returncode != 0:
-        hit = re.search(r"Signal (\d+) \(SIG\w+\) received|exitcode\s*:\s*-(\d+)", output)
-        number = int(hit.group(1) or hit.group(2)) if hit else None
-    if number is None:
-        return None
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 def _run_child(what: str, spec: dict[str, Any], argv: Callable[[Path], list[str]], read: Callable[[Path], Any], *,
                threads: int, timeout_s: float, hint: str = "", retries: int = CRASH_RETRIES) -> Any:
     """Run ``python argv(tmp) --spec SPEC --out OUT`` in a private temporary directory with the
     real runs' environment (:func:`_child_env`); ``read(OUT)``, or a :class:`ValidateError`
     naming ``what`` with the child's last words. The child's ``topomesh: `` lines on stderr
-    are passed on. A child one of whose processes was killed by a signal (:func:`died_of_signal`)
+    are passed on. A child one of whose processes was killed by a signal
+    (:func:`~topomesh.cost.calibrate.died_of_signal`)
     runs again, up to ``retries`` times, and says so on stderr."""
     left = retries
     while True:
@@ -451,6 +428,8 @@ def _run_child_once(what: str, spec: dict[str, Any], argv: Callable[[Path], list
             lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and "USDT" not in ln]
             causes = [ln for ln in lines if "Error" in ln or "terminate" in ln or "error:" in ln][:2]
             message = f"{what} failed (exit {proc.returncode}): " + " | ".join(causes + lines[-3:])
+            from topomesh.cost.calibrate import died_of_signal
+
             killed = died_of_signal(proc.returncode, proc.stderr + proc.stdout)
             if killed:
                 raise _Crashed(message, killed)
