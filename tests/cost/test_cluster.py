@@ -311,18 +311,20 @@ def test_local_takes_a_whole_nodes_collectives_cost_only_for_as_many_ranks_as_me
     assert eight.in_step_extra_s(1.0, 8) == 1e-3
 
 
-@pytest.mark.parametrize("saved, single, multi", [
-    ({"single": 1.4e-4, "multi": 2.3e-4}, 1.4e-4, 2.3e-4),
-    ({"single": -1e-5, "multi": 0.5}, 0.0, 0.0),  # negative, half a second: not a host cost
-    ({"single": "fast"}, 0.0, 0.0), (1e-4, 0.0, 0.0), (None, 0.0, 0.0),  # not the measured shape
+@pytest.mark.parametrize("saved, single, multi, handoff", [
+    ({"single": 1.4e-4, "multi": 2.3e-4, "handoff": 2.5e-3}, 1.4e-4, 2.3e-4, 2.5e-3),
+    ({"single": 1.4e-4, "multi": 2.3e-4}, 1.4e-4, 2.3e-4, 0.0),  # a profile from before the hand-off
+    ({"single": -1e-5, "multi": 0.5, "handoff": -1e-3}, 0.0, 0.0, 0.0),  # negative, half a second: not a host cost
+    ({"single": "fast"}, 0.0, 0.0, 0.0), (1e-4, 0.0, 0.0, 0.0), (None, 0.0, 0.0, 0.0),  # not the measured shape
 ])
-def test_local_takes_the_pipeline_actions_host_work_where_it_is_sane(tmp_path, monkeypatch, saved, single, multi):
+def test_local_takes_the_pipeline_actions_host_work_where_it_is_sane(tmp_path, monkeypatch, saved, single, multi,
+                                                                     handoff):
     monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
     _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
                    pipeline_action_s=saved)
     got = load_cluster("local", gpus=2)
-    assert (got.pipeline_action_s, got.pipeline_multi_action_s) == (single, multi)
+    assert (got.pipeline_action_s, got.pipeline_multi_action_s, got.pipeline_handoff_s) == (single, multi, handoff)
 
 
 def test_axis_link_sees_a_last_group_that_crosses_hosts():

@@ -160,6 +160,28 @@ def test_a_late_receive_still_waits_for_the_transfer():
     assert compiled.step_time_s == pytest.approx(15.0)  # PyTorch's 1F1B: receives posted late
 
 
+def test_a_receive_posted_after_its_data_pays_the_hand_off():
+    """The pipeline of the test above with a 0.5 s hand-off (ranks sharing a host's cores:
+    :attr:`Cluster.pipeline_handoff_s`). The last stage posts F1's receive at 5.25 s and F2's at
+    10.0 s, after stage 0 sent them (2 and 7.5 s): each waits 0.25 + 0.5 s, so F1 runs 6.0-7.0,
+    B1 to 10.0, F2 10.75-11.75, B2 to 14.75. F0's receive and stage 0's gradient receives are
+    posted before their data is sent and pay the send alone: stage 0's last backward starts at
+    14.75 + 0.25 and the step ends at 16.0 s. Receives posted ahead (multi-stage schedules) pay
+    no hand-off."""
+    def plan(bwd: float) -> StagePlan:
+        return StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=bwd)),),
+                         backward_input=(), backward_weight=(), optimizer=())
+
+    actions = action_order("1f1b", pp=2, microbatches=3)
+    plans = [plan(1.0), plan(3.0)]
+    late = simulate_pipeline(plans, actions, [0, 1], 0.25, late_receives=True, late_handoff_s=0.5)
+    assert (late.ranks[1].compute_free, late.step_time_s) == pytest.approx((14.75, 16.0))
+    assert late.ranks[1].p2p_s == pytest.approx(0.25 + 2 * 0.75)  # booked as the hand-off's wait
+    assert late.ranks[0].p2p_s == pytest.approx(3 * 0.25)  # its gradients: sent while it waited
+    ahead = simulate_pipeline(plans, actions, [0, 1], 0.25, late_handoff_s=0.5)
+    assert ahead.step_time_s == pytest.approx(14.5)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zbv"])
 def test_memoized_actions_equal_running_every_action(schedule):
     """Repeated pipeline actions are replayed from a memo keyed by the state relative to the

@@ -126,7 +126,7 @@ def test_the_local_cluster_prices_pipelines_so(monkeypatch):
     one_core = Simulator(model=model, cluster=dataclasses.replace(gpu, cores=1, threads_per_rank=1)).simulate(
         Layout(pp=2), training)
     assert calls == [{"ranks_per_stage": 1, "lock_step_ranks": 1, "record": False,
-                      "late_receives": True}]  # 1F1B posts receives late
+                      "late_receives": True, "late_handoff_s": 0.0}]  # 1F1B posts receives late; none measured
     # a stage's data-parallel ranks do not meet in its layers: two a stage, none of them lock-step
     calls.clear()
     four = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1)
@@ -136,3 +136,10 @@ def test_the_local_cluster_prices_pipelines_so(monkeypatch):
     assert [(k["ranks_per_stage"], k["lock_step_ranks"]) for k in calls] == [(2, 1), (2, 2), (2, 1)]
     # two ranks on one core: never faster than each alone, never slower than lock-step at share 2
     assert alone.step_time_s < one_core.step_time_s < 2 * alone.step_time_s
+    # a measured hand-off reaches the engine: the last stage's forwards 1-3 of the four post their
+    # receives after stage 0 sent the data, and each pays it on the step's critical path
+    calls.clear()
+    handoff = dataclasses.replace(gpu, cores=1, threads_per_rank=1, pipeline_handoff_s=1e-3)
+    paying = Simulator(model=model, cluster=handoff).simulate(Layout(pp=2), training)
+    assert calls[0]["late_handoff_s"] == 1e-3
+    assert paying.step_time_s - one_core.step_time_s == pytest.approx(3e-3, rel=0.05)

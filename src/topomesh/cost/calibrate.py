@@ -18,7 +18,8 @@ error on held-out sizes) and writes the profile JSON. On CPU it also records how
 compute of ranks sharing a host stretches when they run at once (:func:`measure_compute_stretch`,
 ``meta["compute_stretch"]``), which the ``local`` cluster prices compute with, what a collective
 costs more after compute (:func:`measure_collective_in_step`) and the host work of a pipeline
-schedule's action (:func:`topomesh.cost.pipeline.measure_pipeline_action`, ``meta["pipeline_action_s"]``).
+schedule's action (:func:`topomesh.cost.pipeline.measure_pipeline_action`, ``meta["pipeline_action_s"]``), and a
+hand-off between computing pipeline ranks (:func:`topomesh.cost.pipeline.measure_pipeline_handoff`, its ``handoff`` key).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any
 
 from topomesh.cost.collectives import CollectiveProfile, Sample, fit_collective
 from topomesh.cost.devices import private_cache_dir, write_json_atomic
-from topomesh.cost.pipeline import measure_pipeline_action
+from topomesh.cost.pipeline import measure_pipeline_action, measure_pipeline_handoff
 from topomesh.errors import CalibrationError
 from topomesh.topology.model import LinkKind
 from topomesh.trace.graph import CollectiveKind
@@ -908,6 +909,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         in_step_pairs = measure_collective_in_step(local, together=True) if more else None
         in_step_node = measure_collective_in_step(local, count=len(local)) if more else None
         pipe = measure_pipeline_action(local) if pair else None
+        handoff = measure_pipeline_handoff(local) if pair else None  # every rank: it ends in a barrier
+        if pipe is not None and handoff is not None:
+            pipe["handoff"] = handoff
         functional = measure_functional_premium(local) if pair else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)

@@ -194,6 +194,13 @@ class Cluster:
     pipeline_multi_action_s: float = 0.0
     """As :attr:`pipeline_action_s`, for the schedules of several stages a rank (interleaved,
     zero-bubble, V): 0.17-0.21 ms here."""
+    pipeline_handoff_s: float = 0.0
+    """Measured where a pipeline's ranks share a host's cores (``local``): what a receive the
+    stage posts after its data was sent (a single-stage schedule's steady state: the last stage,
+    after each backward, posts the gradient's send with the next forward's receive) costs beyond
+    the calibrated send while the ranks compute: its thread waits for a core the peer it woke and
+    the gloo threads hold (:func:`topomesh.cost.pipeline.measure_pipeline_handoff`; 1.6-3.8 ms in
+    six measurements here). 0: not measured (GPU presets; a profile from before it)."""
     functional_premium_s: tuple[tuple[str, str, int, float], ...] = ()
     """Measured where collectives run on the computing cores (``local``): (collective, dtype,
     bytes, seconds) a collective issued as a functional collective on an activation (what
@@ -591,7 +598,8 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
     DTensors pays DTensor's dispatch on the computing thread (:attr:`Cluster.dtensor_dispatch_s`),
     a collective DTensor issues its host work there too (:attr:`Cluster.dtensor_collective_s`), and
     so does FSDP2 per unit and all-gather (:attr:`Cluster.fsdp_reduce_s`, :attr:`Cluster.fsdp_gather_s`)
-    and a pipeline schedule per action (:attr:`Cluster.pipeline_action_s`, :attr:`Cluster.pipeline_multi_action_s`)."""
+    and a pipeline schedule per action (:attr:`Cluster.pipeline_action_s`, :attr:`Cluster.pipeline_multi_action_s`)
+    and per late hand-off (:attr:`Cluster.pipeline_handoff_s`)."""
     prof, path = local_profile(directory)
     measured = prof.meta.get("world_size")
     n = gpus if gpus is not None else (measured if isinstance(measured, int) and measured > 0 else 2)
@@ -631,6 +639,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    collective_in_step_pairs_s=in_step_pairs,
                    pipeline_action_s=_action_seconds(pipe, "single"),
                    pipeline_multi_action_s=_action_seconds(pipe, "multi"),
+                   pipeline_handoff_s=_action_seconds(pipe, "handoff"),
                    functional_premium_s=_premium_points(prof.meta.get("functional_premium_s")) if n > 1 else ())
 
 

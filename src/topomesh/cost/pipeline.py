@@ -27,6 +27,16 @@ about 0.15 ms. In a real ``pp=2`` ``interleaved-zb`` step of ``benchmarks/valida
 at 64 tokens the stepping thread's CPU exceeded its stage's forward and backward calls by
 about 0.3 ms an action (6.5 ms over 20 actions): the whole of it is not the schedule's, but
 none of it was priced, and those steps were predicted 15-17 % short.
+
+:func:`measure_pipeline_handoff` times what a hand-off costs beyond that when the ranks compute
+(``pipeline_action_s["handoff"]``). In a steady 1F1B step the last stage, after each backward,
+posts the gradient's send with the receive of the next forward's activation, which the first
+stage sent long before; that rank's thread then waits for a core while the peer it woke and the
+gloo threads run (``benchmarks/bench_pipeline_handoff.py``). A real ``pp=2`` step of
+``benchmarks/validate_llama.json`` here (2-vCPU EPYC, 2026-12-07): those posts took 1.6-3.2 ms
+each on average over three runs (4-7 ms at their worst, nearly all of it the thread's wait for a
+core), where the simulator prices the hand-off at the calibrated send (0.8 ms for its 128 KiB);
+its stages' forwards and backwards came within 2-4 % of their in-step replay.
 """
 
 from __future__ import annotations
@@ -46,6 +56,16 @@ REPEATS = 20
 """Timed steps per schedule and count, after :data:`WARMUP`."""
 WARMUP = 3
 """Steps discarded first (the stages' first step exchanges shapes with the peer)."""
+HANDOFF_FORWARD_S = 0.010
+"""Each stage's forward compute in :func:`measure_pipeline_handoff` (its backward twice that):
+a micro-batch of ``benchmarks/validate_llama.json``'s stage here takes 9-11 ms forward and
+19-24 ms backward. (At 5 ms the posts waited 0.4-2.0 ms on average, at 10 ms 1.0-2.9.)"""
+HANDOFF_MICROBATCHES = (2, 5)
+"""The two micro-batch counts :func:`measure_pipeline_handoff` steps at; its figure is per extra one."""
+HANDOFF_STEPS = 8
+"""Timed steps per count and compute in :func:`measure_pipeline_handoff`, after :data:`WARMUP`."""
+HANDOFF_ROWS, HANDOFF_WIDTH = 256, 256
+"""A hand-off's activation (bfloat16, 128 KiB): a micro-batch of ``benchmarks/validate_llama.json``."""
 KINDS = ("single", "multi")
 """``single``: a schedule of one stage a rank (``Schedule1F1B``); ``multi``: of several
 (``ScheduleInterleaved1F1B`` with two)."""
@@ -158,5 +178,107 @@ def measure_pipeline_action(ranks: Sequence[int]) -> dict[str, float] | None:
                                  _one_schedule(kind, hi, pg, team.index(me)))
         dist.all_reduce(mine, group=pg)
         out = {kind: float(mine[i]) / 2 for i, kind in enumerate(KINDS)}
+    dist.barrier()
+    return out if me == team[0] else None
+
+
+def handoff_excess(idle: tuple[float, float], busy: tuple[float, float], compute_s: float, span: int) -> float:
+    """What each more micro-batch of a two-stage 1F1B step costs beyond its stage compute when the
+    ranks compute, less what it costs when they do not: ``(busy_hi - busy_lo) / span - compute_s``
+    less ``(idle_hi - idle_lo) / span``, each pair the step's wall seconds at two micro-batch
+    counts ``span`` apart. The idle slope is the schedule's actions and transfers between idle
+    ranks, which the simulator already prices (:attr:`~topomesh.cost.cluster.Cluster.pipeline_action_s`
+    and the calibrated send); the rest is the hand-off's wait among computing ranks.
+
+    >>> # idle: 2.0 -> 5.0 ms over 3 micro-batches (1 ms each); busy: 95 -> 200 ms, 30 ms of compute each
+    >>> round(handoff_excess((2.0e-3, 5.0e-3), (95e-3, 200e-3), 30e-3, 3) * 1e3, 3)
+    4.0
+    """
+    (idle_lo, idle_hi), (busy_lo, busy_hi) = idle, busy
+    return (busy_hi - busy_lo) / span - compute_s - (idle_hi - idle_lo) / span
+
+
+def _handoff_step_s(micro: int, forward_s: float, chain: Callable[[int], Any], per: float, pg: Any, me: int) -> float:
+    """Median wall seconds (the slower of the two ranks) of a ``Schedule1F1B`` step over two
+    stages whose forward runs ``forward_s`` of ``chain`` and whose backward twice that, at
+    ``micro`` micro-batches; this rank is stage ``me`` of the two in ``pg``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    k = round(forward_s / per)
+
+    class Burn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            chain(k)
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            chain(2 * k)
+            return g * 1.0
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Burn.apply(x * self.scale)
+
+    stage = PipelineStage(Stage(), me, 2, torch.device("cpu"), group=pg)
+    schedule = Schedule1F1B(stage, n_microbatches=micro, loss_fn=_loss)
+    x = torch.zeros(micro, HANDOFF_ROWS, HANDOFF_WIDTH, dtype=torch.bfloat16)
+    target = torch.zeros(micro, HANDOFF_ROWS, HANDOFF_WIDTH)
+    walls = []
+    for i in range(WARMUP + HANDOFF_STEPS):
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        if me == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=target)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=pg)
+        if i >= WARMUP:
+            walls.append(float(took))
+    return statistics.median(walls)
+
+
+def measure_pipeline_handoff(ranks: Sequence[int]) -> float | None:
+    """Seconds a hand-off of a pipeline whose two ranks compute costs beyond what the same
+    schedule's actions and transfers cost between idle ranks (:func:`handoff_excess`; see the
+    module docstring), on the first two of ``ranks`` (one host's; call on every rank of the
+    world): ``Schedule1F1B`` over stages of :data:`HANDOFF_FORWARD_S` forward and twice that
+    backward, then of none, at :data:`HANDOFF_MICROBATCHES`; the stage compute per micro-batch
+    is the chain's, timed on each rank alone. Returns the figure on ``ranks[0]``, None on the others."""
+    import torch
+    import torch.distributed as dist
+
+    from topomesh.cost.calibrate import _timed_chain
+    from topomesh.layout import groups as tm_groups
+
+    me, team = dist.get_rank(), tuple(ranks[:2])
+    pg = tm_groups.new_group(team)
+    out = None
+    if me in team:
+        chain, per = _timed_chain(team[0], group=pg)
+        k = round(HANDOFF_FORWARD_S / per)
+        alone = torch.zeros(1, dtype=torch.float64)
+        for who in team:  # each rank's forward and backward alone, the other at the barrier
+            dist.barrier(group=pg)
+            if me == who:
+                t0 = time.perf_counter()
+                chain(k)
+                chain(2 * k)
+                alone[0] = time.perf_counter() - t0
+        dist.all_reduce(alone, group=pg)
+        lo, hi = HANDOFF_MICROBATCHES
+        stage = team.index(me)
+        busy = tuple(_handoff_step_s(m, HANDOFF_FORWARD_S, chain, per, pg, stage) for m in (lo, hi))
+        idle = tuple(_handoff_step_s(m, 0.0, chain, per, pg, stage) for m in (lo, hi))
+        out = handoff_excess(idle, busy, float(alone[0]) / 2, hi - lo)  # type: ignore[arg-type]
     dist.barrier()
     return out if me == team[0] else None

@@ -300,6 +300,7 @@ def simulate_pipeline(
     record: bool = False,
     scale: Mapping[ActionKey, tuple[float, float]] | None = None,
     late_receives: bool = False,
+    late_handoff_s: float = 0.0,
 ) -> EngineResult:
     """Run every pipeline rank's actions; ``plans[s]`` prices global stage ``s``,
     ``stage_rank[s]`` is the rank holding it, ``p2p_s`` one boundary send. ``scale`` stretches
@@ -310,7 +311,9 @@ def simulate_pipeline(
     action (PyTorch's single-stage schedules, GPipe and 1F1B, batch the receive with the
     action's wait), so a receiver later than the send still waits ``p2p_s`` for the data;
     without it the receive was posted ahead (the multi-stage schedules' runtime places each
-    RECV where the sender's compute is lowered) and data sent early is there."""
+    RECV where the sender's compute is lowered) and data sent early is there. With
+    ``late_receives``, a receive posted after its data was sent also pays ``late_handoff_s``
+    (:attr:`~topomesh.cost.cluster.Cluster.pipeline_handoff_s`: ranks sharing a host's cores)."""
     ranks = [RankState(spans=[] if record else None) for _ in actions]
     scaled: dict[tuple[int, float, float], tuple[Piece, ...]] = {}
 
@@ -342,11 +345,14 @@ def simulate_pipeline(
                 if dep is not None:
                     cross = stage_rank[dep[0]] != r
                     arrive = done[dep]
+                    hop = p2p_s
                     if cross:  # the transfer starts when both sides are in it
-                        arrive = (max(arrive, state.compute_free) if late_receives else arrive) + p2p_s
+                        if late_receives and state.compute_free > arrive:  # sent before it was posted
+                            hop += late_handoff_s
+                        arrive = (max(arrive, state.compute_free) if late_receives else arrive) + hop
                     if arrive > state.compute_free:
                         wait = arrive - state.compute_free
-                        p2p_part = min(wait, p2p_s) if cross else 0.0
+                        p2p_part = min(wait, hop) if cross else 0.0
                         state.p2p_s += p2p_part
                         state.bubble_s += wait - p2p_part
                         state.span("compute", "bubble" if wait > p2p_part else "p2p wait", state.compute_free, arrive)

@@ -87,17 +87,19 @@ class _BusyClock:
 
 def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Action]], stage_rank: Sequence[int],
                     p2p_s: float, cluster: Cluster, *, ranks_per_stage: int, lock_step_ranks: int | None = None,
-                    record: bool = False, late_receives: bool = False) -> EngineResult:
+                    record: bool = False, late_receives: bool = False, late_handoff_s: float = 0.0
+                    ) -> EngineResult:
     """The engine's run with each action stretched by the ranks busy while it runs (see the
     module docstring). ``plans`` are priced lock-step, as :class:`~topomesh.sim.price.Pricer`
     prices them on ``cluster``. ``lock_step_ranks``: how many of a stage's ranks meet in every
-    micro-batch (default all of them; :func:`~topomesh.sim.simulate.meeting_ranks`)."""
+    micro-batch (default all of them; :func:`~topomesh.sim.simulate.meeting_ranks`).
+    ``late_receives`` and ``late_handoff_s`` as :func:`~topomesh.sim.engine.simulate_pipeline` takes them."""
     full_compute, full_comm = cluster.compute_share, cluster.core_share
     # a stage's ranks that meet at its collectives: their lock-step stretch on top of the sharing
     meet = ranks_per_stage if lock_step_ranks is None else lock_step_ranks
     lock = cluster.lock_step_stretch(meet) / cluster.cores_share_at(meet)
     scale: dict[ActionKey, tuple[float, float]] = {}
-    run = simulate_pipeline(plans, actions, stage_rank, p2p_s, late_receives=late_receives)
+    run = simulate_pipeline(plans, actions, stage_rank, p2p_s, late_receives=late_receives, late_handoff_s=late_handoff_s)
     for _ in range(ROUNDS):
         moved = 0.0
         for key, k in busy_ranks([st.busy for st in run.ranks], ranks_per_stage).items():
@@ -107,10 +109,10 @@ def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Actio
             step_comm = DAMPING * (share / full_comm - comm)
             scale[key] = (compute + step_compute, comm + step_comm)
             moved = max(moved, abs(step_compute), abs(step_comm))
-        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, late_receives=late_receives)
+        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, late_receives=late_receives, late_handoff_s=late_handoff_s)
         if moved < SETTLED:
             break
     if record:
         run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, record=True,
-                                late_receives=late_receives)
+                                late_receives=late_receives, late_handoff_s=late_handoff_s)
     return run

@@ -404,7 +404,8 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
 
             run = shared_pipeline(plans, actions, stage_rank, p2p_s, cluster, ranks_per_stage=layout.world_size // pp,
                                   lock_step_ranks=meeting_ranks(plans, layout),
-                                  record=record, late_receives=schedule.receives_at_action)
+                                  record=record, late_receives=schedule.receives_at_action,
+                                  late_handoff_s=cluster.pipeline_handoff_s)
         else:
             run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True,
                                     late_receives=schedule.receives_at_action)

@@ -210,7 +210,9 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
     before 2026-11-25), it has no compute stretch for ``world`` ranks (before 2026-11-25's
     last change, :func:`~topomesh.cost.calibrate.measure_compute_stretch`), its stretch and
     in-step costs were timed otherwise (:data:`~topomesh.cost.calibrate.COMPUTE_SEGMENT`: until
-    2026-11-27 on subnormals, then each rank of the stretch from its own start), or its ranks were bound to CPUs (the real runs are not: :func:`_unbound`)."""
+    2026-11-27 on subnormals, then each rank of the stretch from its own start), it has no
+    pipeline hand-off (before 2026-12-07, :func:`~topomesh.cost.pipeline.measure_pipeline_handoff`),
+    or its ranks were bound to CPUs (the real runs are not: :func:`_unbound`)."""
     from topomesh.cost.calibrate import COMPUTE_SEGMENT, STATISTIC, profile_directory
     from topomesh.cost.cluster import local_profile
     from topomesh.errors import ClusterError
@@ -220,10 +222,12 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
         prof, path = local_profile()
         stretch = prof.meta.get("compute_stretch")
         swept = prof.meta.get("collectives")
+        pipe = prof.meta.get("pipeline_action_s")
         if (int(prof.meta.get("world_size", 0)) >= world and prof.meta.get("statistic") == STATISTIC
                 and isinstance(swept, list) and set(SWEEP_COLLECTIVES) <= set(swept)
                 and isinstance(stretch, dict) and (world < 2 or str(world) in stretch)
                 and prof.meta.get("compute_segment") == COMPUTE_SEGMENT
+                and (world < 2 or (isinstance(pipe, dict) and "handoff" in pipe))
                 and _unbound(prof.meta.get("rank_cpus"))):
             return path
     except ClusterError:
