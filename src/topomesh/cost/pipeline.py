@@ -61,9 +61,10 @@ HANDOFF_FORWARD_S = 0.010
 a micro-batch of ``benchmarks/validate_llama.json``'s stage here takes 9-11 ms forward and
 19-24 ms backward. (At 5 ms the posts waited 0.4-2.0 ms on average, at 10 ms 1.0-2.9.)"""
 HANDOFF_MICROBATCHES = (2, 5)
-"""The two micro-batch counts :func:`measure_pipeline_handoff` steps at; its figure is per extra one."""
+"""The micro-batch counts :func:`measure_pipeline_handoff` steps at (1 and 4 late receives a step)."""
 HANDOFF_STEPS = 8
-"""Timed steps per count and compute in :func:`measure_pipeline_handoff`, after :data:`WARMUP`."""
+"""Timed steps per count and compute in :func:`measure_pipeline_handoff`, after :data:`WARMUP`
+(the counts in turn)."""
 HANDOFF_ROWS, HANDOFF_WIDTH = 256, 256
 """A hand-off's activation (bfloat16, 128 KiB): a micro-batch of ``benchmarks/validate_llama.json``."""
 KINDS = ("single", "multi")
@@ -182,30 +183,38 @@ def measure_pipeline_action(ranks: Sequence[int]) -> dict[str, float] | None:
     return out if me == team[0] else None
 
 
-def handoff_excess(idle: tuple[float, float], busy: tuple[float, float], compute_s: float, span: int) -> float:
-    """What each more micro-batch of a two-stage 1F1B step costs beyond its stage compute when the
-    ranks compute, less what it costs when they do not: ``(busy_hi - busy_lo) / span - compute_s``
-    less ``(idle_hi - idle_lo) / span``, each pair the step's wall seconds at two micro-batch
-    counts ``span`` apart. The idle slope is the schedule's actions and transfers between idle
-    ranks, which the simulator already prices (:attr:`~topomesh.cost.cluster.Cluster.pipeline_action_s`
-    and the calibrated send); the rest is the hand-off's wait among computing ranks.
+def handoff_wait(busy: Sequence[float], idle: Sequence[float], micros: Sequence[int]) -> float:
+    """Seconds a late hand-off costs the last stage of a two-stage 1F1B step when the ranks
+    compute, beyond what it costs when they do not: per micro-batch count in ``micros``, its
+    stepping thread's wait for a core over a step (``busy``, ``idle``: the mean per step), over
+    the ``m - 1`` receives it posts after their data was sent (after each backward but the last),
+    pooled over the counts. What the schedule's actions and transfers cost between idle ranks the
+    simulator prices already (:attr:`~topomesh.cost.cluster.Cluster.pipeline_action_s` and the
+    calibrated send).
 
-    >>> # idle: 2.0 -> 5.0 ms over 3 micro-batches (1 ms each); busy: 95 -> 200 ms, 30 ms of compute each
-    >>> round(handoff_excess((2.0e-3, 5.0e-3), (95e-3, 200e-3), 30e-3, 3) * 1e3, 3)
-    4.0
+    >>> # 2 and 5 micro-batches: 1 and 4 late receives; 3 + 9 ms of waiting computing, 0.5 + 0.5 idle
+    >>> round(handoff_wait((3e-3, 9e-3), (0.5e-3, 0.5e-3), (2, 5)) * 1e3, 3)
+    2.2
     """
-    (idle_lo, idle_hi), (busy_lo, busy_hi) = idle, busy
-    return (busy_hi - busy_lo) / span - compute_s - (idle_hi - idle_lo) / span
+    late = sum(m - 1 for m in micros)
+    return (sum(busy) - sum(idle)) / late
 
 
-def _handoff_step_s(micro: int, forward_s: float, chain: Callable[[int], Any], per: float, pg: Any, me: int) -> float:
-    """Median wall seconds (the slower of the two ranks) of a ``Schedule1F1B`` step over two
-    stages whose forward runs ``forward_s`` of ``chain`` and whose backward twice that, at
-    ``micro`` micro-batches; this rank is stage ``me`` of the two in ``pg``."""
+def _handoff_waits_s(micros: Sequence[int], forward_s: float, chain: Callable[[int], Any], per: float, pg: Any,
+                     me: int) -> list[float]:
+    """Per micro-batch count in ``micros``, the mean seconds a step of ``Schedule1F1B`` over two
+    stages, whose forward runs ``forward_s`` of ``chain`` and whose backward twice that, keeps the
+    last stage's stepping thread ready to run and waiting for a core (Linux's ``schedstat``;
+    0 where it is absent); this rank is stage ``me`` of the two in ``pg``. The counts step in
+    turn, one step each a round, so a slow spell of the host falls on all of them. (The step's
+    wall-clock slope between the counts, tried first, scattered from -5.1 to 11.6 ms between
+    measurements minutes apart: a step moves by 10-20 ms here.)"""
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from topomesh.validate.worker import core_wait_ns
 
     k = round(forward_s / per)
 
@@ -228,33 +237,33 @@ def _handoff_step_s(micro: int, forward_s: float, chain: Callable[[int], Any], p
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return Burn.apply(x * self.scale)
 
-    stage = PipelineStage(Stage(), me, 2, torch.device("cpu"), group=pg)
-    schedule = Schedule1F1B(stage, n_microbatches=micro, loss_fn=_loss)
-    x = torch.zeros(micro, HANDOFF_ROWS, HANDOFF_WIDTH, dtype=torch.bfloat16)
-    target = torch.zeros(micro, HANDOFF_ROWS, HANDOFF_WIDTH)
-    walls = []
+    steps = []
+    for micro in micros:
+        stage = PipelineStage(Stage(), me, 2, torch.device("cpu"), group=pg)
+        schedule = Schedule1F1B(stage, n_microbatches=micro, loss_fn=_loss)
+        x = torch.zeros(micro, HANDOFF_ROWS, HANDOFF_WIDTH, dtype=torch.bfloat16)
+        target = torch.zeros(micro, HANDOFF_ROWS, HANDOFF_WIDTH)
+        steps.append((lambda schedule=schedule, x=x: schedule.step(x)) if me == 0
+                     else (lambda schedule=schedule, target=target: schedule.step(target=target)))
+    waits = torch.zeros(len(micros), dtype=torch.float64)
     for i in range(WARMUP + HANDOFF_STEPS):
-        dist.barrier(group=pg)
-        t0 = time.perf_counter()
-        if me == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=target)
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=pg)
-        if i >= WARMUP:
-            walls.append(float(took))
-    return statistics.median(walls)
+        for j, step in enumerate(steps):
+            dist.barrier(group=pg)
+            q0 = core_wait_ns()
+            step()
+            if i >= WARMUP and me == 1:
+                waits[j] += (core_wait_ns() - q0) / 1e9 / HANDOFF_STEPS
+    dist.all_reduce(waits, group=pg)  # the last stage's, on both
+    return [float(w) for w in waits]
 
 
 def measure_pipeline_handoff(ranks: Sequence[int]) -> float | None:
-    """Seconds a hand-off of a pipeline whose two ranks compute costs beyond what the same
-    schedule's actions and transfers cost between idle ranks (:func:`handoff_excess`; see the
-    module docstring), on the first two of ``ranks`` (one host's; call on every rank of the
-    world): ``Schedule1F1B`` over stages of :data:`HANDOFF_FORWARD_S` forward and twice that
-    backward, then of none, at :data:`HANDOFF_MICROBATCHES`; the stage compute per micro-batch
-    is the chain's, timed on each rank alone. Returns the figure on ``ranks[0]``, None on the others."""
-    import torch
+    """Seconds a late hand-off of a pipeline whose two ranks compute costs beyond what the same
+    schedule's hand-offs cost between idle ranks (:func:`handoff_wait`; see the module
+    docstring), on the first two of ``ranks`` (one host's; call on every rank of the world):
+    ``Schedule1F1B`` over stages of :data:`HANDOFF_FORWARD_S` forward and twice that backward,
+    then of none, at :data:`HANDOFF_MICROBATCHES`, the last stage's wait for a core. Returns the
+    figure on ``ranks[0]``, None on the others."""
     import torch.distributed as dist
 
     from topomesh.cost.calibrate import _timed_chain
@@ -265,20 +274,9 @@ def measure_pipeline_handoff(ranks: Sequence[int]) -> float | None:
     out = None
     if me in team:
         chain, per = _timed_chain(team[0], group=pg)
-        k = round(HANDOFF_FORWARD_S / per)
-        alone = torch.zeros(1, dtype=torch.float64)
-        for who in team:  # each rank's forward and backward alone, the other at the barrier
-            dist.barrier(group=pg)
-            if me == who:
-                t0 = time.perf_counter()
-                chain(k)
-                chain(2 * k)
-                alone[0] = time.perf_counter() - t0
-        dist.all_reduce(alone, group=pg)
-        lo, hi = HANDOFF_MICROBATCHES
         stage = team.index(me)
-        busy = tuple(_handoff_step_s(m, HANDOFF_FORWARD_S, chain, per, pg, stage) for m in (lo, hi))
-        idle = tuple(_handoff_step_s(m, 0.0, chain, per, pg, stage) for m in (lo, hi))
-        out = handoff_excess(idle, busy, float(alone[0]) / 2, hi - lo)  # type: ignore[arg-type]
+        busy = _handoff_waits_s(HANDOFF_MICROBATCHES, HANDOFF_FORWARD_S, chain, per, pg, stage)
+        idle = _handoff_waits_s(HANDOFF_MICROBATCHES, 0.0, chain, per, pg, stage)
+        out = handoff_wait(busy, idle, HANDOFF_MICROBATCHES)
     dist.barrier()
     return out if me == team[0] else None
