@@ -89,10 +89,10 @@ def test_two_local_gloo_processes_give_fitted_models_with_held_out_error(tmp_pat
     # a pipeline schedule's host work per action: positive, well under a millisecond here, more
     # for the schedules of several stages a rank (0.12-0.15 and 0.17-0.21 ms here)
     pipe = prof.meta["pipeline_action_s"]
-    assert set(pipe) == {"single", "multi", "handoff"} and all(0 < pipe[k] < 0.005 for k in ("single", "multi"))
+    assert set(pipe) == {"single", "multi", "handoff_wait"} and all(0 < pipe[k] < 0.005 for k in ("single", "multi"))
     # and what a hand-off between computing ranks costs beyond it: milliseconds at most, either
-    # way (1.6-3.8 ms in six measurements here; one measurement's slope can come out below 0)
-    assert abs(pipe["handoff"]) < 0.02
+    # way (0.6-2.5 ms here: the last stage's wait for a core per late receive, computing less idle)
+    assert abs(pipe["handoff_wait"]) < 0.02
     # both timed on the chain that stays on normal numbers, the stretch's ranks from a common
     # start, and the profile says so (validate reuses, and calibrate pools, only profiles that do)
     assert prof.meta["compute_segment"] == 4

@@ -312,9 +312,10 @@ def test_local_takes_a_whole_nodes_collectives_cost_only_for_as_many_ranks_as_me
 
 
 @pytest.mark.parametrize("saved, single, multi, handoff", [
-    ({"single": 1.4e-4, "multi": 2.3e-4, "handoff": 2.5e-3}, 1.4e-4, 2.3e-4, 2.5e-3),
+    ({"single": 1.4e-4, "multi": 2.3e-4, "handoff_wait": 2.5e-3}, 1.4e-4, 2.3e-4, 2.5e-3),
+    ({"single": 1.4e-4, "multi": 2.3e-4, "handoff": 2.5e-3}, 1.4e-4, 2.3e-4, 0.0),  # the step's slope (ddb19bc): not read
     ({"single": 1.4e-4, "multi": 2.3e-4}, 1.4e-4, 2.3e-4, 0.0),  # a profile from before the hand-off
-    ({"single": -1e-5, "multi": 0.5, "handoff": -1e-3}, 0.0, 0.0, 0.0),  # negative, half a second: not a host cost
+    ({"single": -1e-5, "multi": 0.5, "handoff_wait": -1e-3}, 0.0, 0.0, 0.0),  # negative, half a second: not a host cost
     ({"single": "fast"}, 0.0, 0.0, 0.0), (1e-4, 0.0, 0.0, 0.0), (None, 0.0, 0.0, 0.0),  # not the measured shape
 ])
 def test_local_takes_the_pipeline_actions_host_work_where_it_is_sane(tmp_path, monkeypatch, saved, single, multi,

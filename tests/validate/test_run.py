@@ -463,7 +463,7 @@ ALL = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 STRETCH = {"2": 1.1, "4": 1.9}
 
 
-SEG = {"compute_segment": 4, "pipeline_action_s": {"single": 1e-4, "multi": 2e-4, "handoff": 2e-3}}
+SEG = {"compute_segment": 4, "pipeline_action_s": {"single": 1e-4, "multi": 2e-4, "handoff_wait": 2e-3}}
 
 
 @pytest.mark.parametrize("meta, again", [
@@ -473,6 +473,9 @@ SEG = {"compute_segment": 4, "pipeline_action_s": {"single": 1e-4, "multi": 2e-4
      False),  # before rank_cpus
     ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE, "collectives": ALL,
       "compute_segment": 4, "pipeline_action_s": {"single": 1e-4, "multi": 2e-4}}, True),  # before the hand-off
+    ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE, "collectives": ALL,
+      "compute_segment": 4, "pipeline_action_s": {"single": 1e-4, "multi": 2e-4, "handoff": 2e-3}},
+     True),  # the hand-off as the step's slope (ddb19bc-b88b3b0)
     ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE, "collectives": ALL},
      True),  # stretch and in-step costs timed on the chain that ran on subnormals
     ({"world_size": 4, "statistic": "mean", "compute_stretch": STRETCH, "rank_cpus": FREE, "collectives": ALL,

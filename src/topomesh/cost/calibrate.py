@@ -911,7 +911,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         pipe = measure_pipeline_action(local) if pair else None
         handoff = measure_pipeline_handoff(local) if pair else None  # every rank: it ends in a barrier
         if pipe is not None and handoff is not None:
-            pipe["handoff"] = handoff
+            pipe["handoff_wait"] = handoff  # "handoff" (ddb19bc-b88b3b0): the step's slope, not read
         functional = measure_functional_premium(local) if pair else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)

@@ -199,8 +199,9 @@ class Cluster:
     stage posts after its data was sent (a single-stage schedule's steady state: the last stage,
     after each backward, posts the gradient's send with the next forward's receive) costs beyond
     the calibrated send while the ranks compute: its thread waits for a core the peer it woke and
-    the gloo threads hold (:func:`topomesh.cost.pipeline.measure_pipeline_handoff`; 1.6-3.8 ms in
-    six measurements here). 0: not measured (GPU presets; a profile from before it)."""
+    the gloo threads hold (:func:`topomesh.cost.pipeline.measure_pipeline_handoff`, that wait per
+    such receive: 0.64-0.80 ms here with two ranks in the world, 1.0-2.5 ms in a four-rank world).
+    0: not measured (GPU presets; a profile from before it)."""
     functional_premium_s: tuple[tuple[str, str, int, float], ...] = ()
     """Measured where collectives run on the computing cores (``local``): (collective, dtype,
     bytes, seconds) a collective issued as a functional collective on an activation (what
@@ -639,7 +640,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    collective_in_step_pairs_s=in_step_pairs,
                    pipeline_action_s=_action_seconds(pipe, "single"),
                    pipeline_multi_action_s=_action_seconds(pipe, "multi"),
-                   pipeline_handoff_s=_action_seconds(pipe, "handoff"),
+                   pipeline_handoff_s=_action_seconds(pipe, "handoff_wait"),
                    functional_premium_s=_premium_points(prof.meta.get("functional_premium_s")) if n > 1 else ())
 
 

@@ -29,14 +29,16 @@ about 0.3 ms an action (6.5 ms over 20 actions): the whole of it is not the sche
 none of it was priced, and those steps were predicted 15-17 % short.
 
 :func:`measure_pipeline_handoff` times what a hand-off costs beyond that when the ranks compute
-(``pipeline_action_s["handoff"]``). In a steady 1F1B step the last stage, after each backward,
+(``pipeline_action_s["handoff_wait"]``). In a steady 1F1B step the last stage, after each backward,
 posts the gradient's send with the receive of the next forward's activation, which the first
 stage sent long before; that rank's thread then waits for a core while the peer it woke and the
 gloo threads run (``benchmarks/bench_pipeline_handoff.py``). A real ``pp=2`` step of
 ``benchmarks/validate_llama.json`` here (2-vCPU EPYC, 2026-12-07): those posts took 1.6-3.2 ms
 each on average over three runs (4-7 ms at their worst, nearly all of it the thread's wait for a
 core), where the simulator prices the hand-off at the calibrated send (0.8 ms for its 128 KiB);
-its stages' forwards and backwards came within 2-4 % of their in-step replay.
+its stages' forwards and backwards came within 2-4 % of their in-step replay. The figure is that
+rank's wait for a core per such receive, with the stages computing less with them idle:
+0.64-0.80 ms with two ranks in the world, 1.0-2.5 ms in a four-rank world (three each).
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ def ensure_collectives(world: int, *, timeout_s: float = 900.0) -> Path:
                 and isinstance(swept, list) and set(SWEEP_COLLECTIVES) <= set(swept)
                 and isinstance(stretch, dict) and (world < 2 or str(world) in stretch)
                 and prof.meta.get("compute_segment") == COMPUTE_SEGMENT
-                and (world < 2 or (isinstance(pipe, dict) and "handoff" in pipe))
+                and (world < 2 or (isinstance(pipe, dict) and "handoff_wait" in pipe))
                 and _unbound(prof.meta.get("rank_cpus"))):
             return path
     except ClusterError:
