@@ -19,7 +19,7 @@ compute of ranks sharing a host stretches when they run at once (:func:`measure_
 ``meta["compute_stretch"]``), which the ``local`` cluster prices compute with, what a collective
 costs more after compute (:func:`measure_collective_in_step`) and the host work of a pipeline
 schedule's action (:func:`topomesh.cost.pipeline.measure_pipeline_action`, ``meta["pipeline_action_s"]``), and a
-hand-off between computing pipeline ranks (:func:`topomesh.cost.pipeline.measure_pipeline_handoff`, its ``handoff`` key).
+hand-off between computing pipeline ranks (:func:`topomesh.cost.pipeline.measure_pipeline_handoff`, its ``handoff_wait`` key).
 """
 
 from __future__ import annotations
