@@ -6,7 +6,7 @@ taken apart with stages of known compute.
 
 Two gloo processes on loopback (one torch thread each) run ``torch.distributed.pipelining``'s
 ``Schedule1F1B`` over two stages whose forward burns ``--forward-ms`` of a matmul chain and
-whose backward twice that (an autograd Function around one scaling parameter; the activation a
+whose backward twice that (`topomesh.cost.pipeline.burn_stage`; the activation a
 (1, 256, 256) bfloat16 tensor, 128 KiB, as ``benchmarks/validate_llama.json``'s). Per
 micro-batch count, after three warm-up steps, it prints:
 
@@ -59,10 +59,10 @@ def _gloo_cpu_ns() -> int:
 
 def _rank(rank: int, store_path: str, forward_s: float, counts: list[int], steps: int, out: str) -> None:
     import torch.distributed as dist
-    from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from topomesh.cost.calibrate import _timed_chain
+    from topomesh.cost.pipeline import burn_stage
     from topomesh.validate.worker import core_wait_ns
 
     torch.set_num_threads(1)
@@ -71,29 +71,10 @@ def _rank(rank: int, store_path: str, forward_s: float, counts: list[int], steps
     k = max(1, round(forward_s / per))
     inside: dict[str, list[float]] = {"F": [], "B": []}
 
-    def burn(n: int, kind: str) -> None:
+    def burn(n: int) -> None:
         t0 = time.perf_counter()
         chain(n)
-        inside[kind].append(time.perf_counter() - t0)
-
-    class Burn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-            burn(k, "F")
-            return x * 1.0
-
-        @staticmethod
-        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
-            burn(2 * k, "B")
-            return g * 1.0
-
-    class Stage(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return Burn.apply(x * self.scale)
+        inside["F" if n == k else "B"].append(time.perf_counter() - t0)
 
     results = []
     for m in counts:
@@ -106,7 +87,7 @@ def _rank(rank: int, store_path: str, forward_s: float, counts: list[int], steps
                         t0 = time.perf_counter()
                         chain(n)
                         alone[kind].append(time.perf_counter() - t0)
-        stage = PipelineStage(Stage(), rank, 2, torch.device("cpu"))
+        stage = PipelineStage(burn_stage(burn, k), rank, 2, torch.device("cpu"))
         schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda o, t: (o.float() - t).pow(2).mean())
         x = torch.randn(m, ROWS, WIDTH, dtype=torch.bfloat16)
         target = torch.zeros(m, ROWS, WIDTH)

@@ -202,6 +202,35 @@ def handoff_wait(busy: Sequence[float], idle: Sequence[float], micros: Sequence[
     return (sum(busy) - sum(idle)) / late
 
 
+def burn_stage(burn: Callable[[int], Any], k: int) -> Any:
+    """A pipeline stage of known compute: a module of one bfloat16 scaling parameter whose
+    forward calls ``burn(k)`` and whose backward ``burn(2 * k)`` (an autograd Function), passing
+    its activation on (:func:`measure_pipeline_handoff`, ``benchmarks/bench_pipeline_handoff.py``)."""
+    import torch
+    from torch import nn
+
+    class Burn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            burn(k)
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            burn(2 * k)
+            return g * 1.0
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Burn.apply(x * self.scale)
+
+    return Stage()
+
+
 def _handoff_waits_s(micros: Sequence[int], forward_s: float, chain: Callable[[int], Any], per: float, pg: Any,
                      me: int) -> list[float]:
     """Per micro-batch count in ``micros``, the mean seconds a step of ``Schedule1F1B`` over two
@@ -213,35 +242,15 @@ def _handoff_waits_s(micros: Sequence[int], forward_s: float, chain: Callable[[i
     measurements minutes apart: a step moves by 10-20 ms here.)"""
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from topomesh.validate.worker import core_wait_ns
 
     k = round(forward_s / per)
 
-    class Burn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            chain(k)
-            return x * 1.0
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            chain(2 * k)
-            return g * 1.0
-
-    class Stage(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return Burn.apply(x * self.scale)
-
     steps = []
     for micro in micros:
-        stage = PipelineStage(Stage(), me, 2, torch.device("cpu"), group=pg)
+        stage = PipelineStage(burn_stage(chain, k), me, 2, torch.device("cpu"), group=pg)
         schedule = Schedule1F1B(stage, n_microbatches=micro, loss_fn=_loss)
         x = torch.zeros(micro, HANDOFF_ROWS, HANDOFF_WIDTH, dtype=torch.bfloat16)
         target = torch.zeros(micro, HANDOFF_ROWS, HANDOFF_WIDTH)
