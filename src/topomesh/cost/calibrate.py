@@ -910,8 +910,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         in_step_node = measure_collective_in_step(local, count=len(local)) if more else None
         pipe = measure_pipeline_action(local) if pair else None
         handoff = measure_pipeline_handoff(local) if pair else None  # every rank: it ends in a barrier
-        if pipe is not None and handoff is not None:
-            pipe["handoff_wait"] = handoff  # "handoff" (ddb19bc-b88b3b0): the step's slope, not read
+        if pipe is not None:  # rank 0's; "handoff" (ddb19bc-b88b3b0) held the step's slope, not read
+            pipe["handoff_wait"] = handoff
         functional = measure_functional_premium(local) if pair else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)

@@ -231,10 +231,9 @@ def burn_stage(burn: Callable[[int], Any], k: int) -> Any:
     return Stage()
 
 
-def _handoff_waits_s(micros: Sequence[int], forward_s: float, chain: Callable[[int], Any], per: float, pg: Any,
-                     me: int) -> list[float]:
+def _handoff_waits_s(micros: Sequence[int], chain: Callable[[int], Any], k: int, pg: Any, me: int) -> list[float]:
     """Per micro-batch count in ``micros``, the mean seconds a step of ``Schedule1F1B`` over two
-    stages, whose forward runs ``forward_s`` of ``chain`` and whose backward twice that, keeps the
+    stages, whose forward runs ``chain(k)`` and whose backward ``chain(2 * k)``, keeps the
     last stage's stepping thread ready to run and waiting for a core (Linux's ``schedstat``;
     0 where it is absent); this rank is stage ``me`` of the two in ``pg``. The counts step in
     turn, one step each a round, so a slow spell of the host falls on all of them. (The step's
@@ -245,8 +244,6 @@ def _handoff_waits_s(micros: Sequence[int], forward_s: float, chain: Callable[[i
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from topomesh.validate.worker import core_wait_ns
-
-    k = round(forward_s / per)
 
     steps = []
     for micro in micros:
@@ -286,8 +283,8 @@ def measure_pipeline_handoff(ranks: Sequence[int]) -> float | None:
     if me in team:
         chain, per = _timed_chain(team[0], group=pg)
         stage = team.index(me)
-        busy = _handoff_waits_s(HANDOFF_MICROBATCHES, HANDOFF_FORWARD_S, chain, per, pg, stage)
-        idle = _handoff_waits_s(HANDOFF_MICROBATCHES, 0.0, chain, per, pg, stage)
+        busy = _handoff_waits_s(HANDOFF_MICROBATCHES, chain, round(HANDOFF_FORWARD_S / per), pg, stage)
+        idle = _handoff_waits_s(HANDOFF_MICROBATCHES, chain, 0, pg, stage)
         out = handoff_wait(busy, idle, HANDOFF_MICROBATCHES)
     dist.barrier()
     return out if me == team[0] else None

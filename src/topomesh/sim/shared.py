@@ -34,6 +34,7 @@ cores kept busy; without it GPipe +3.6 %.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -99,7 +100,9 @@ def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Actio
     meet = ranks_per_stage if lock_step_ranks is None else lock_step_ranks
     lock = cluster.lock_step_stretch(meet) / cluster.cores_share_at(meet)
     scale: dict[ActionKey, tuple[float, float]] = {}
-    run = simulate_pipeline(plans, actions, stage_rank, p2p_s, late_receives=late_receives, late_handoff_s=late_handoff_s)
+    engine = functools.partial(simulate_pipeline, plans, actions, stage_rank, p2p_s, late_receives=late_receives,
+                               late_handoff_s=late_handoff_s)
+    run = engine()
     for _ in range(ROUNDS):
         moved = 0.0
         for key, k in busy_ranks([st.busy for st in run.ranks], ranks_per_stage).items():
@@ -109,10 +112,9 @@ def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Actio
             step_comm = DAMPING * (share / full_comm - comm)
             scale[key] = (compute + step_compute, comm + step_comm)
             moved = max(moved, abs(step_compute), abs(step_comm))
-        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, late_receives=late_receives, late_handoff_s=late_handoff_s)
+        run = engine(scale=scale)
         if moved < SETTLED:
             break
     if record:
-        run = simulate_pipeline(plans, actions, stage_rank, p2p_s, scale=scale, record=True,
-                                late_receives=late_receives, late_handoff_s=late_handoff_s)
+        run = engine(scale=scale, record=True)
     return run

@@ -381,16 +381,12 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
                                                                  (sym_priced, sym_plans, tuple(sym.gaps))))
     tpl = hit[1]
     sym_priced, sym_plans, sym_gaps = tpl.extra
-    p2p_s = late_s = 0.0
+    p2p_s = 0.0
     if pp > 1:
         rec = CollectiveRecord(kind=CollectiveKind.SEND_RECV, bytes=sym_priced.boundary_bytes, group_size=2,
                                mesh_axis=Axis.PP.value)
-        # a hand-off follows a stage's micro-batch: long compute
         boundary = Pricer(cluster, link_of, {}, memo.ops)
-        p2p_s = boundary.comm(rec, gap_s=math.inf).seconds
-        # a late receive's measured hand-off was timed against idle stages, so it holds what the
-        # send costs more after compute than back to back, which p2p_s holds too: counted once
-        late_s = max(0.0, cluster.pipeline_handoff_s - (p2p_s - boundary.comm(rec).seconds))
+        p2p_s = boundary.comm(rec, gap_s=math.inf).seconds  # a hand-off follows a stage's micro-batch: long compute
     # a pipeline on shared cores: its ranks are not all busy at once (topomesh.sim.shared)
     shared = pp > 1 and cluster.cores is not None
     if record or shared:  # the Python engine, on plans priced on this layout's links
@@ -406,6 +402,10 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         if shared:
             from topomesh.sim.shared import shared_pipeline
 
+            # a late receive's measured hand-off was timed against idle stages, so it holds what the
+            # send costs more after compute than back to back, which p2p_s holds too: counted once
+            late_s = (max(0.0, cluster.pipeline_handoff_s - (p2p_s - boundary.comm(rec).seconds))
+                      if cluster.pipeline_handoff_s else 0.0)
             run = shared_pipeline(plans, actions, stage_rank, p2p_s, cluster, ranks_per_stage=layout.world_size // pp,
                                   lock_step_ranks=meeting_ranks(plans, layout),
                                   record=record, late_receives=schedule.receives_at_action,
