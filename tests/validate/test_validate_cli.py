@@ -110,6 +110,7 @@ def _one_real_step(tmp_path, degrees: dict[str, int], **knobs) -> dict:
     world = math.prod(degrees.values())
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+         "--log-dir", str(tmp_path / "logs"),  # else torchrun leaves a torchelastic_* directory in /tmp
          "-m", "topomesh.validate.worker", "--spec", str(tmp_path / "spec.json"), "--out", str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
