@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import time
 
@@ -96,6 +97,10 @@ def main() -> None:
         proc.start()
     try:
         got = dict(out.get(timeout=args.seconds + 120.0) for _ in procs)
+    except queue.Empty:
+        codes = [proc.exitcode for proc in procs]
+        raise SystemExit(f"bench_host_noise: a probe gave no result within {args.seconds + 120.0:g} s "
+                         f"(exit codes {codes})") from None
     finally:
         for proc in procs:
             proc.join(timeout=10)
