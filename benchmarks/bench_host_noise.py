@@ -3,14 +3,15 @@
     python benchmarks/bench_host_noise.py [--seconds 40] [--window 1.0] [--slow 1.10]
 
 One process per allowed CPU, each bound to its CPU with one torch thread, times the same
-matmul chain (60 products of two 256 x 256 float32 matrices, about 20 ms on the 2-vCPU EPYC
-VM) over and over for ``--seconds``, all at once. Per CPU it prints the median chain, and per
+stretch of the calibration's compute segment (``topomesh.cost.calibrate``'s matmul chain, the one
+the compute stretch and the in-step costs are timed on: 440 of its 96 x 96 matmuls, each with
+a tanh, about 20 ms on the 2-vCPU EPYC VM) over and over for ``--seconds``, all at once. Per CPU it prints the median chain, and per
 ``--window`` of wall time the median chain over the CPU's own median: the share of windows
 slower than ``--slow`` and the slowest window. Then the share of windows in which *some* CPU was
 slow, which is what ranks that meet at every collective or hand-off see, and the steal time
 ``/proc/stat`` recorded meanwhile (time the hypervisor ran something else on a vCPU).
 
-The chain fits in a core's L2 cache and allocates nothing, so what moves it is the core itself
+The chain's operands fit in a core's L1 cache, so what moves it is the core itself
 (a busy sibling thread of another tenant, the clock), not this program. A host whose windows
 are slow now and then moves a layout's step by as much, and no prediction made before the run
 can follow it: ``validate``'s runs' spread (``mean_runs_spread``) is of that size.
@@ -25,7 +26,8 @@ import queue
 import statistics
 import time
 
-SIZE, CHAIN = 256, 60
+CHAIN = 440
+"""Matmuls of the calibration's chain a sample times (about 20 ms here)."""
 WARMUP_CHAINS = 20
 
 
@@ -44,14 +46,15 @@ def _probe(cpu: int, start: float, seconds: float, out: mp.Queue) -> None:
     ``start + seconds``; put ``(cpu, [(wall offset, seconds), ...])``."""
     import torch
 
+    from topomesh.cost.calibrate import _matmul_chain
+
     os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
-    a, b = torch.randn(SIZE, SIZE), torch.randn(SIZE, SIZE)
+    segment = _matmul_chain()
 
     def chain() -> float:
         t0 = time.perf_counter()
-        for _ in range(CHAIN):
-            torch.mm(a, b)
+        segment(CHAIN)
         return time.perf_counter() - t0
 
     for _ in range(WARMUP_CHAINS):
