@@ -206,3 +206,27 @@ def test_memoized_actions_equal_running_every_action(schedule):
     for a, b in zip(runs[0].ranks, runs[1].ranks, strict=True):
         assert (a.compute_s, a.bubble_s, a.p2p_s) == pytest.approx((b.compute_s, b.bubble_s, b.p2p_s), rel=1e-9)
         assert a.exposed == pytest.approx(b.exposed, rel=1e-9)
+
+
+def test_a_multi_stage_runtime_unshards_every_stage_ahead_of_its_input():
+    # interleaved 1F1B, pp=2, two stages a rank, 2 micro-batches; F = B = 1 s, each stage's
+    # forward gathers 3 s on the network, p2p free. Rank 0 runs 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1,
+    # rank 1 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1. PyTorch's runtime unshards both stages of a rank
+    # before its first action: gathers 0-3 s and 3-6 s on each rank. Rank 0: 0F0 3-4 (3 s
+    # exposed), 0F1 4-5, 2F0 waits for its gather to 6 (1 s exposed): 6-7, 2F1 7-8. Rank 1:
+    # 1F0 4-5, 1F1 5-6, 3F0 7-8, 3B0 8-9, 3F1 9-10, 3B1 10-11, 1B0 11-12, 1B1 12-13. Rank 0:
+    # 2B0 9-10, 2B1 11-12, 0B0 12-13, 0B1 13-14: a 14 s step, 4 s of it gathering, 2 s idle.
+    # (Gathered in each stage's first forward, once its input is there, 1F0 would start at 7
+    # and 2F0 at 11.)
+    from topomesh.sim.schedules import unshard_points
+
+    plan = StagePlan(forward=(piece(Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, 3.0),))),),
+                     forward_later=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=1.0)),),
+                     backward_input=(), backward_weight=(), optimizer=())
+    acts = action_order("interleaved-1f1b", pp=2, microbatches=2, interleave=2)
+    run = simulate_pipeline([plan] * 4, acts, [0, 1, 0, 1], 0.0,
+                            unshards=unshard_points("interleaved-1f1b", pp=2, microbatches=2, interleave=2))
+    assert run.step_time_s == pytest.approx(14.0)
+    r0 = run.ranks[0]
+    assert (r0.compute_s, r0.exposed["dp_shard"], r0.bubble_s) == pytest.approx((8.0, 4.0, 2.0))
+    assert run.ranks[1].compute_free == pytest.approx(13.0)

@@ -9,7 +9,7 @@ import pytest
 from topomesh.sim import kernel
 from topomesh.sim.engine import Piece, StagePlan, simulate_pipeline
 from topomesh.sim.price import Comm, Stream, Work
-from topomesh.sim.schedules import Schedule, action_order, rank_stages, stage_count
+from topomesh.sim.schedules import Schedule, action_order, rank_stages, stage_count, unshard_points
 
 
 def piece(work: Work, count: int = 1) -> Piece:
@@ -66,7 +66,7 @@ def test_repeated_blocks_with_a_slow_gather_fast_forward_to_the_hand_value():
 
 @pytest.mark.parametrize(("schedule", "pp", "interleave"), [
     (Schedule.ONE_F_ONE_B, 4, 1), (Schedule.GPIPE, 3, 1), (Schedule.INTERLEAVED_1F1B, 4, 2),
-    (Schedule.ZBV, 4, 2), (Schedule.ONE_F_ONE_B, 1, 1)])
+    (Schedule.INTERLEAVED_1F1B, 4, 4), (Schedule.ZBV, 4, 2), (Schedule.ONE_F_ONE_B, 1, 1)])
 def test_equals_the_python_engine(schedule: Schedule, pp: int, interleave: int):
     blk = Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, 0.7),),
                blocking=(Comm("tp", Stream.INTRA, 0.2), Comm("cp", Stream.NET, 0.05)),
@@ -82,7 +82,9 @@ def test_equals_the_python_engine(schedule: Schedule, pp: int, interleave: int):
     stage_rank = owners(schedule, pp, interleave)
     plans = [plan] * len(stage_rank)
     want = simulate_pipeline(plans, action_order(schedule, pp=pp, microbatches=m, interleave=interleave),
-                             stage_rank, 0.3, late_receives=schedule.receives_at_action)
+                             stage_rank, 0.3, late_receives=schedule.receives_at_action,
+                             unshards=unshard_points(schedule, pp=pp, microbatches=m, interleave=interleave)
+                             if pp > 1 else None)
     got = kernel.run(plans, schedule, pp, m, interleave, stage_rank, 0.3)
     assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert got.critical_rank == want.critical_rank
@@ -165,3 +167,16 @@ def test_the_end_stages_share_the_optimizer_work_outside_the_blocks():
     assert (quarter.compute_s, quarter.blocking[0].seconds, quarter.flops) == pytest.approx((0.5, 1.0, 2))
     assert (rest_of_it.compute_s, rest_of_it.blocking[0].seconds, rest_of_it.flops) == pytest.approx((1.5, 3.0, 7))
     assert quarter.blocking[0].axis == "dp_shard"
+
+
+def test_a_multi_stage_runtime_unshards_every_stage_ahead_of_its_input():
+    # tests/sim/test_engine.py's hand-worked step (interleaved 1F1B, pp=2, 2 micro-batches,
+    # 1 s actions, a 3 s gather a stage, issued for both stages of a rank before its first
+    # action): 14 s, 4 s of rank 0's gathering exposed, 2 s idle
+    plan = StagePlan(forward=(piece(Work(compute_s=1.0, gather=(Comm("dp_shard", Stream.NET, 3.0),))),),
+                     forward_later=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=1.0)),),
+                     backward_input=(), backward_weight=(), optimizer=())
+    run = kernel.run([plan] * 4, Schedule.INTERLEAVED_1F1B, 2, 2, 2, [0, 1, 0, 1], 0.0)
+    assert run.step_time_s == pytest.approx(14.0)
+    r0 = run.ranks[0]
+    assert (r0.compute_s, r0.exposed["dp_shard"], r0.bubble_s) == pytest.approx((8.0, 4.0, 2.0))

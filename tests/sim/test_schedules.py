@@ -66,3 +66,20 @@ def test_receives_are_posted_at_the_action_only_by_torchs_single_stage_schedules
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     assert schedule.receives_at_action == issubclass(get_schedule_class(schedule.torch_name), PipelineScheduleSingle)
+
+
+def test_the_multi_stage_runtime_unshards_up_to_three_stages_ahead():
+    # PyTorch's lowering (_add_unshard_reshard) keeps the next three distinct stages a rank will
+    # compute unsharded. Two stages a rank: both before the first action, never again. Four
+    # stages a rank (interleaved 1F1B, pp=4, 8 micro-batches): rank 0 computes stages 0, 4, 8, 12
+    # four micro-batches at a time (0F0-3, 4F0-3, 8F0-3, 12F0-3, ...), so it unshards 0, 4 and 8
+    # first, 12 when it reaches 4F0 (action 4, stage 0 no longer among the next three), and
+    # stage 0 again at 8F0 (action 8).
+    from topomesh.sim.schedules import unshard_points
+
+    assert unshard_points("zbv", pp=2, microbatches=4) == ({0: (0, 3)}, {0: (1, 2)})
+    acts = action_order("interleaved-1f1b", pp=4, microbatches=8, interleave=4)[0]
+    assert [str(a) for a in acts[:12:4]] == ["0F0", "4F0", "8F0"]
+    points = unshard_points("interleaved-1f1b", pp=4, microbatches=8, interleave=4)[0]
+    assert {i: points[i] for i in (0, 4, 8)} == {0: (0, 4, 8), 4: (12,), 8: (0,)}
+    assert unshard_points("gpipe", pp=2, microbatches=2) is None

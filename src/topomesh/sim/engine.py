@@ -9,7 +9,9 @@ after the other:
 
 * a piece's parameter all-gathers are issued when the piece before it starts (FSDP2's
   one-ahead prefetch; the first piece of an action issues its own), queue on their stream,
-  and the piece cannot start before they end;
+  and the piece cannot start before they end; under a multi-stage schedule a stage's
+  all-gathers are issued together where PyTorch's runtime unshards it, ahead of its input
+  (``unshards``);
 * the piece computes, then its blocking collectives run on their streams while the compute
   stream waits (tensor/context/expert parallel: the consumer needs the result);
 * its gradient reductions are issued when it ends and only the optimizer waits for them.
@@ -301,6 +303,7 @@ def simulate_pipeline(
     scale: Mapping[ActionKey, tuple[float, float]] | None = None,
     late_receives: bool = False,
     late_handoff_s: float = 0.0,
+    unshards: Sequence[Mapping[int, Sequence[int]]] | None = None,
 ) -> EngineResult:
     """Run every pipeline rank's actions; ``plans[s]`` prices global stage ``s``,
     ``stage_rank[s]`` is the rank holding it, ``p2p_s`` one boundary send. ``scale`` stretches
@@ -313,8 +316,25 @@ def simulate_pipeline(
     without it the receive was posted ahead (the multi-stage schedules' runtime places each
     RECV where the sender's compute is lowered) and data sent early is there. With
     ``late_receives``, a receive posted after its data was sent also pays ``late_handoff_s``
-    (:attr:`~topomesh.cost.cluster.Cluster.pipeline_handoff_s`: ranks sharing a host's cores)."""
+    (:attr:`~topomesh.cost.cluster.Cluster.pipeline_handoff_s`: ranks sharing a host's cores).
+
+    ``unshards`` (:func:`~topomesh.sim.schedules.unshard_points`, the multi-stage runtime's
+    ``UNSHARD`` actions): rank ``r`` issues the all-gathers of each stage in ``unshards[r][i]``
+    (those of every piece of the stage's first forward, all at once) when it reaches its action
+    ``i``, before waiting for that action's input; the stage's next action waits for them
+    (booked as their axis's exposed communication), and its first forward gathers nothing
+    itself. Without it a stage gathers in its first forward, piece by piece."""
     ranks = [RankState(spans=[] if record else None) for _ in actions]
+    stage_gathers: list[tuple[Comm, ...]] = []
+    if unshards is not None:  # each stage's first forward without its gathers, and the gathers
+        stripped = []
+        for plan in plans:
+            stage_gathers.append(tuple(c for p in plan.forward for _ in range(p.count) for c in p.work.gather))
+            stripped.append(tuple(dataclasses.replace(p, work=dataclasses.replace(p.work, gather=()))
+                                  if p.work.gather else p for p in plan.forward))
+        plans = [dataclasses.replace(plan, forward=f) for plan, f in zip(plans, stripped, strict=True)]
+    gathering: dict[tuple[int, int], tuple[float, str]] = {}  # (rank, stage): its unshard's end, axis
+    issued = [-1] * len(actions)
     scaled: dict[tuple[int, float, float], tuple[Piece, ...]] = {}
 
     def priced(pieces: tuple[Piece, ...], key: ActionKey) -> tuple[Piece, ...]:
@@ -338,6 +358,10 @@ def simulate_pipeline(
             state = ranks[r]
             while idx[r] < len(acts):
                 a = acts[idx[r]]
+                if unshards is not None and issued[r] < idx[r]:  # the runtime reaches this action's UNSHARDs
+                    issued[r] = idx[r]
+                    for s in unshards[r].get(idx[r], ()):
+                        gathering[(r, s)] = _issue(state, stage_gathers[s], state.compute_free, f"unshard {s}")
                 dep = _dependency(a, last)
                 if dep is not None and dep not in done:
                     break
@@ -358,6 +382,11 @@ def simulate_pipeline(
                         state.span("compute", "bubble" if wait > p2p_part else "p2p wait", state.compute_free, arrive)
                         ready = arrive
                 state.compute_free = ready
+                g_end, g_axis = gathering.pop((r, a.stage), (0.0, ""))
+                if g_end > ready:  # the stage's unshard is still gathering
+                    state.book(g_axis, g_end - ready)
+                    state.span("compute", f"wait for unshard {a.stage}", ready, g_end)
+                    state.compute_free = ready = g_end
                 first_mb = firsts.get((a.stage, a.kind)) == a.mb
                 last_mb = lasts.get((a.stage, a.kind)) == a.mb
                 key = (a.stage, a.kind.value, a.mb)

@@ -22,6 +22,7 @@ stays for timelines (``record=True``), which this one does not draw.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -31,14 +32,17 @@ import numpy as np
 from topomesh.errors import LayoutError
 from topomesh.sim.engine import EngineResult, Piece, RankState, StagePlan, first_and_last
 from topomesh.sim.price import Stream
-from topomesh.sim.schedules import Kind, Schedule, action_order, stage_count
+from topomesh.sim.schedules import Kind, Schedule, action_order, stage_count, unshard_points
 
 VARIANTS = ("forward", "forward_later", "backward", "backward_first", "backward_early", "backward_last",
             "backward_input", "backward_weight", "backward_weight_first", "backward_weight_early",
-            "backward_weight_last", "optimizer")
+            "backward_weight_last", "optimizer", "forward_unsharded")
 """Piece lists of a stage, by variant index; the ``*_later``/``*_first``/``*_early``/``*_last``
-ones fall back to the plain ones (:meth:`StagePlan.pieces <topomesh.sim.engine.StagePlan.pieces>`)."""
-_F_FIRST, _F_LATER, _B_ONLY, _B_FIRST, _B_EARLY, _B_LAST, _I, _W_ONLY, _W_FIRST, _W_EARLY, _W_LAST, _OPT = range(12)
+ones fall back to the plain ones (:meth:`StagePlan.pieces <topomesh.sim.engine.StagePlan.pieces>`);
+``forward_unsharded`` is ``forward`` without its all-gathers (a stage the multi-stage runtime
+unsharded ahead: :func:`~topomesh.sim.schedules.unshard_points`)."""
+(_F_FIRST, _F_LATER, _B_ONLY, _B_FIRST, _B_EARLY, _B_LAST, _I, _W_ONLY, _W_FIRST, _W_EARLY, _W_LAST, _OPT,
+ _F_UNSHARDED) = range(13)
 _STREAM_INDEX = {Stream.INTRA: 0, Stream.NET: 1}
 # rank state columns
 _CF, _SF0, _SF1, _RE, _CS, _OS, _BS, _PS = range(8)
@@ -201,9 +205,31 @@ def _run_action(st, ex, ra, r, lst, memo_ok, memo_rel, memo_d, memo_ex, memo_axi
 
 
 @numba.njit(cache=True)
+def _unshard(st, r, s, plan_lists, list_off, p_work, p_count, w_comm, c_stream, c_sec, c_axis):  # noqa: ANN001, ANN202
+    """Issue every all-gather of stage ``s``'s first forward at once; (end of the last, its axis)."""
+    at = st[r, _CF]
+    end = at
+    axis = 0
+    lst = plan_lists[s, _F_FIRST]
+    for i in range(list_off[lst], list_off[lst + 1]):
+        w = p_work[i]
+        for _ in range(p_count[i]):
+            e, a = _issue(st, r, c_stream, c_sec, c_axis, w_comm[w, 0], w_comm[w, 1], at)
+            if w_comm[w, 1] > w_comm[w, 0] and e >= end:
+                end = e
+                axis = a
+    return end, axis
+
+
+@numba.njit(cache=True)
 def _simulate(n_ranks, n_axes, p2p_s, late, act_off, act_stage, act_variant, act_dep, act_cross, act_slot, n_slots,
-              plan_lists, list_off, stage_rank, p_work, p_count, w_compute, w_comm, c_stream, c_sec, c_axis):  # noqa: ANN001, ANN202
+              un_off, un_stage, plan_lists, list_off, stage_rank, p_work, p_count, w_compute, w_comm, c_stream, c_sec,
+              c_axis):  # noqa: ANN001, ANN202
     st = np.zeros((n_ranks, _COLUMNS))
+    n_stages = plan_lists.shape[0]
+    g_end = np.zeros((n_ranks, n_stages))  # a stage's unshard: when its gathers end (0: none pending)
+    g_axis = np.zeros((n_ranks, n_stages), dtype=np.int64)
+    issued = np.zeros(act_off[-1], dtype=np.bool_)
     ex = np.zeros((n_ranks, n_axes))
     ra = np.zeros(n_ranks, dtype=np.int64)
     done_t = np.zeros(n_slots)
@@ -221,6 +247,13 @@ def _simulate(n_ranks, n_axes, p2p_s, late, act_off, act_stage, act_variant, act
         for r in range(n_ranks):
             while idx[r] < act_off[r + 1]:
                 a = idx[r]
+                if not issued[a]:  # the runtime reaches this action's UNSHARDs
+                    issued[a] = True
+                    for u in range(un_off[a], un_off[a + 1]):
+                        e, ax = _unshard(st, r, un_stage[u], plan_lists, list_off, p_work, p_count, w_comm,
+                                         c_stream, c_sec, c_axis)
+                        g_end[r, un_stage[u]] = e
+                        g_axis[r, un_stage[u]] = ax
                 dep = act_dep[a]
                 if dep >= 0 and not is_done[dep]:
                     break
@@ -234,6 +267,12 @@ def _simulate(n_ranks, n_axes, p2p_s, late, act_off, act_stage, act_variant, act
                         st[r, _PS] += part
                         st[r, _BS] += wait - part
                         ready = arrive
+                ge = g_end[r, act_stage[a]]
+                if ge > 0.0:
+                    g_end[r, act_stage[a]] = 0.0
+                    if ge > ready:  # the stage's unshard is still gathering
+                        ex[r, g_axis[r, act_stage[a]]] += ge - ready
+                        ready = ge
                 st[r, _CF] = ready
                 _run_action(st, ex, ra, r, plan_lists[act_stage[a], act_variant[a]], memo_ok, memo_rel, memo_d,
                             memo_ex, memo_axis, list_off, p_work, p_count, w_compute, w_comm, c_stream, c_sec,
@@ -310,8 +349,15 @@ def encode_plans(plans: Sequence[StagePlan]) -> Encoded:
             i = lists[id(pieces)] = len(list_off) - 2
         return i
 
+    keep = []  # the gather-less forwards made here, alive while their ids key `lists`
     for s, plan in enumerate(plans):
         for v, name in enumerate(VARIANTS):
+            if name == "forward_unsharded":
+                pieces = tuple(dataclasses.replace(p, work=dataclasses.replace(p.work, gather=())) if p.work.gather
+                               else p for p in plan.forward)
+                keep.append(pieces)
+                plan_lists[s, v] = list_index(pieces)
+                continue
             pieces = getattr(plan, name)
             if pieces is None:
                 for suffix in ("_later", "_first", "_early", "_last"):
@@ -336,8 +382,10 @@ def encode_plans(plans: Sequence[StagePlan]) -> Encoded:
 def encode_actions(schedule: Schedule, pp: int, microbatches: int, interleave: int) -> tuple[np.ndarray, ...]:
     """The actions of :func:`~topomesh.sim.schedules.action_order` as arrays (read-only):
     rank offsets, stage, variant, the slot each waits for (-1: none), whether that slot is
-    another rank's, the slot it fills, and the number of slots."""
+    another rank's, the slot it fills, the number of slots, and the stages unsharded before
+    each action (:func:`~topomesh.sim.schedules.unshard_points`: offsets per action, stages)."""
     actions = action_order(schedule, pp=pp, microbatches=microbatches, interleave=interleave)
+    unshards = unshard_points(schedule, pp=pp, microbatches=microbatches, interleave=interleave) if pp > 1 else None
     n_stages = stage_count(schedule, pp, interleave) if pp > 1 else 1
     last = n_stages - 1
     firsts, lasts = first_and_last(actions)
@@ -351,14 +399,17 @@ def encode_actions(schedule: Schedule, pp: int, microbatches: int, interleave: i
         for a in acts:
             owner[(a.stage, "B" if a.kind is Kind.I else a.kind.value, a.mb)] = r
     off, stage, variant, dep, cross, done = [0], [], [], [], [], []
+    un_off, un_stage = [0], []
     for r, acts in enumerate(actions):
-        for a in acts:
+        for i, a in enumerate(acts):
+            un_stage.extend(unshards[r].get(i, ()) if unshards is not None else ())
+            un_off.append(len(un_stage))
             first = firsts.get((a.stage, a.kind)) == a.mb
             at_end = lasts.get((a.stage, a.kind)) == a.mb
             position = 0 if first and at_end else 1 if first else 3 if at_end else 2  # only/first/early/last
             if a.kind is Kind.F:
                 d = None if a.stage == 0 else (a.stage - 1, "F", a.mb)
-                v = _F_FIRST if first else _F_LATER
+                v = (_F_FIRST if unshards is None else _F_UNSHARDED) if first else _F_LATER
             elif a.kind is Kind.W:
                 d = (a.stage, "B", a.mb)
                 v = _W_ONLY + position
@@ -373,7 +424,8 @@ def encode_actions(schedule: Schedule, pp: int, microbatches: int, interleave: i
         off.append(len(stage))
     out = (np.array(off, dtype=np.int64), np.array(stage, dtype=np.int64), np.array(variant, dtype=np.int64),
            np.array(dep, dtype=np.int64), np.array(cross, dtype=np.bool_), np.array(done, dtype=np.int64),
-           np.array([len(slots)], dtype=np.int64))
+           np.array([len(slots)], dtype=np.int64), np.array(un_off, dtype=np.int64),
+           np.array(un_stage, dtype=np.int64))
     for a in out:
         a.flags.writeable = False
     return out
@@ -434,12 +486,13 @@ def _run_encoded(plan_lists: np.ndarray, list_off: np.ndarray, p_work: np.ndarra
                  w_compute: np.ndarray, w_comm: np.ndarray, c_stream: np.ndarray, c_sec: np.ndarray,
                  c_axis: np.ndarray, axes: tuple[str, ...], schedule: Schedule, pp: int, microbatches: int,
                  interleave: int, stage_rank: Sequence[int], p2p_s: float) -> EngineResult:
-    off, stage, variant, dep, cross, done, n_slots = encode_actions(schedule, pp, microbatches, interleave)
+    off, stage, variant, dep, cross, done, n_slots, un_off, un_stage = encode_actions(schedule, pp, microbatches,
+                                                                                     interleave)
     n_ranks = len(off) - 1
     ranks = np.asarray(stage_rank, dtype=np.int64)
     st, ex, ra, ok = _simulate(n_ranks, len(axes), float(p2p_s), schedule.receives_at_action, off, stage, variant, dep, cross, done,
-                               int(n_slots[0]), plan_lists, list_off, ranks, p_work, p_count, w_compute, w_comm,
-                               c_stream, c_sec, c_axis)
+                               int(n_slots[0]), un_off, un_stage, plan_lists, list_off, ranks, p_work, p_count,
+                               w_compute, w_comm, c_stream, c_sec, c_axis)
     if not ok:
         raise LayoutError("pipeline schedule deadlocks; this is a bug in the schedule.")
     states = []

@@ -118,17 +118,71 @@ def action_order(schedule: Schedule | str, *, pp: int, microbatches: int, interl
     return [list(acts) for acts in _action_order(Schedule(schedule), pp, microbatches, interleave)]
 
 
+def unshard_points(schedule: Schedule | str, *, pp: int, microbatches: int,
+                   interleave: int = 1) -> tuple[dict[int, tuple[int, ...]], ...] | None:
+    """Where each pipeline rank unshards its stages' FSDP parameters, as PyTorch's multi-stage
+    runtime does: per rank, ``{i: stages}``, the stages whose ``UNSHARD`` runs just before the
+    rank's compute action ``i`` (an index into :func:`action_order`'s list for that rank).
+    ``None`` for GPipe and 1F1B, whose stage gathers in its first forward (FSDP2's pre-forward
+    hook, once the input has arrived).
+
+    The runtime (``_PipelineScheduleRuntime``, every multi-stage schedule) lowers the compute
+    actions with ``_add_unshard_reshard``: before each action it unshards the next three
+    distinct stages the rank will compute (``unshard(async_op=True)`` on every FSDP module of
+    the stage: their all-gathers issued at once) and reshards the ones that fell out of them;
+    a stage's action waits for its all-gathers. With two or three stages a rank, each is
+    unsharded once, ahead of the step's first action; with more, stages are evicted and
+    gathered again as the rank cycles through them:
+
+    >>> unshard_points("interleaved-1f1b", pp=2, microbatches=4, interleave=2)[0]
+    {0: (0, 2)}
+    >>> unshard_points("1f1b", pp=2, microbatches=4) is None
+    True
+    """
+    return _lowered(Schedule(schedule), pp, microbatches, interleave)[1]
+
+
 @functools.lru_cache(maxsize=256)
 def _action_order(schedule: Schedule, pp: int, microbatches: int, interleave: int) -> tuple[tuple[Action, ...], ...]:
     """:func:`action_order`, built once per argument set (torch's constructors take tens of ms)."""
-    return tuple(tuple(acts) for acts in _build_order(schedule, pp, microbatches, interleave))
+    return _lowered(schedule, pp, microbatches, interleave)[0]
 
 
-def _build_order(schedule: Schedule, pp: int, microbatches: int, interleave: int) -> list[list[Action]]:
+@functools.lru_cache(maxsize=256)
+def _lowered(schedule: Schedule, pp: int, microbatches: int,
+             interleave: int) -> tuple[tuple[tuple[Action, ...], ...], tuple[dict[int, tuple[int, ...]], ...] | None]:
+    order, sched = _build_order(schedule, pp, microbatches, interleave)
+    actions = tuple(tuple(acts) for acts in order)
+    lowered = getattr(sched, "pipeline_order_with_comms", None) if schedule.multi_stage else None
+    if not lowered:
+        return actions, None
+    points: list[dict[int, tuple[int, ...]]] = []
+    for rank, acts in enumerate(actions):
+        here: dict[int, tuple[int, ...]] = {}
+        pending: list[int] = []
+        seen: list[Action] = []
+        for a in lowered.get(rank, []):
+            kind = a.computation_type.value
+            if kind == "UNSHARD":
+                pending.append(a.stage_index)
+            for sub in a.sub_actions or (a,):
+                if sub.computation_type.value in ("F", "B", "I", "W"):
+                    if pending:
+                        here[len(seen)] = tuple(pending)
+                        pending = []
+                    seen.append(Action(sub.stage_index, Kind(sub.computation_type.value), sub.microbatch_index))
+        if tuple(seen) != acts:
+            raise LayoutError(f"PyTorch's lowered {schedule.torch_name} schedule runs rank {rank}'s compute actions "
+                              f"in another order than its pipeline_order; this is a bug in topomesh's reading of it.")
+        points.append(here)
+    return actions, tuple(points)
+
+
+def _build_order(schedule: Schedule, pp: int, microbatches: int, interleave: int) -> tuple[list[list[Action]], object]:
     if pp < 1 or microbatches < 1:
         raise LayoutError(f"a pipeline needs pp >= 1 and micro-batches >= 1, got pp={pp}, micro-batches={microbatches}.")
     if pp == 1 and not schedule.multi_stage:
-        return [[a for m in range(microbatches) for a in (Action(0, Kind.F, m), Action(0, Kind.B, m))]]
+        return [[a for m in range(microbatches) for a in (Action(0, Kind.F, m), Action(0, Kind.B, m))]], None
     if schedule.multi_stage and not schedule.v_shape and interleave < 2 and schedule is Schedule.INTERLEAVED_1F1B:
         raise LayoutError("schedule interleaved-1f1b needs --interleave 2 or more virtual stages per rank.")
     from torch.distributed.pipelining import schedules as torch_schedules
@@ -146,7 +200,7 @@ def _build_order(schedule: Schedule, pp: int, microbatches: int, interleave: int
             f"interleave={interleave}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
         ) from None
     if not schedule.multi_stage:
-        return [_single_stage(schedule, pp, microbatches, r) for r in range(pp)]
+        return [_single_stage(schedule, pp, microbatches, r) for r in range(pp)], sched
     out: list[list[Action]] = []
     for rank in range(pp):
         acts: list[Action] = []
@@ -156,7 +210,7 @@ def _build_order(schedule: Schedule, pp: int, microbatches: int, interleave: int
                 if kind in ("F", "B", "I", "W"):
                     acts.append(Action(sub.stage_index, Kind(kind), sub.microbatch_index))
         out.append(acts)
-    return out
+    return out, sched
 
 
 def _single_stage(schedule: Schedule, pp: int, m: int, rank: int) -> list[Action]:

@@ -41,7 +41,15 @@ from topomesh.sim.price import (
     price_digest,
 )
 from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
-from topomesh.sim.schedules import Action, Kind, Schedule, action_order, rank_stages, stage_count
+from topomesh.sim.schedules import (
+    Action,
+    Kind,
+    Schedule,
+    action_order,
+    rank_stages,
+    stage_count,
+    unshard_points,
+)
 from topomesh.sim.timeline import chrome_trace
 from topomesh.trace.cache import TraceCache
 from topomesh.trace.graph import CollectiveKind, CollectiveRecord
@@ -412,7 +420,9 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
                                   late_handoff_s=late_s)
         else:
             run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True,
-                                    late_receives=schedule.receives_at_action)
+                                    late_receives=schedule.receives_at_action,
+                                    unshards=unshard_points(schedule, pp=pp, microbatches=micro, interleave=interleave)
+                                    if pp > 1 else None)
     else:
         pricer = Pricer(cluster, link_of, table or {}, memo.ops)
         secs, streams = [], []
