@@ -302,3 +302,38 @@ def test_a_piece_counts_its_forward_matmuls_outputs_as_what_a_zero_bubble_i_keep
     pricer = Pricer(load_cluster("dgx-h100", gpus=1), lambda name: None, {})
     assert pricer.digest([fwd]).weight_output_bytes == 2 * 4 * 8 * 4
     assert pricer.digest([bwd]).weight_output_bytes == 0
+
+
+@pytest.mark.parametrize("interleave, want", [(2, 70 + 20), (4, 70 + 2 * 20)])
+def test_the_multi_stage_runtime_keeps_at_most_three_stages_unsharded(interleave, want):
+    """Under a pipeline FSDP keeps a stage's gathered parameters (20 a one-block stage here, 50
+    more for the embedding on stage 0) for the step, and PyTorch's multi-stage runtime keeps at
+    most three of a rank's stages unsharded at once (``_add_unshard_reshard``'s
+    ``max_active_stages``): rank 0 with stages 0 and 2 holds 90; with 0, 2, 4 and 6 at most
+    70 + 20 + 20 = 110, not 130."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from topomesh.sim.price import Work
+    from topomesh.sim.schedules import (
+        RUNTIME_UNSHARDED_STAGES,
+        Schedule,
+        action_order,
+        rank_stages,
+        stage_count,
+    )
+    from topomesh.sim.simulate import _memory, _stage_plan
+    from topomesh.trace.result import StateBytes
+
+    default = inspect.signature(torch_schedules._add_unshard_reshard).parameters["max_active_stages"].default
+    assert RUNTIME_UNSHARDED_STAGES == default == 3
+    p = dataclasses.replace(_stage_class(100, 0), fwd_block=Work(saved_bytes=100, gather_bytes=20),
+                            fwd_pre=Work(gather_bytes=50), first_state=StateBytes(params=1))
+    stages = stage_count(Schedule.INTERLEAVED_1F1B, 2, interleave)
+    stage_rank = [0] * stages
+    for s in rank_stages(Schedule.INTERLEAVED_1F1B, 2, interleave, 1):
+        stage_rank[s] = 1
+    plans = [_stage_plan(p, s, stages, 1, pipelined=True) for s in range(stages)]
+    order = action_order("interleaved-1f1b", pp=2, microbatches=4, interleave=interleave)
+    assert _memory(p, plans, [1] * stages, order[0], 0, stage_rank).transient_bytes == want

@@ -118,6 +118,11 @@ def action_order(schedule: Schedule | str, *, pp: int, microbatches: int, interl
     return [list(acts) for acts in _action_order(Schedule(schedule), pp, microbatches, interleave)]
 
 
+RUNTIME_UNSHARDED_STAGES = 3
+"""How many of a rank's stages PyTorch's multi-stage runtime keeps unsharded at once
+(``_add_unshard_reshard``'s ``max_active_stages``, which the runtime leaves at its default)."""
+
+
 def unshard_points(schedule: Schedule | str, *, pp: int, microbatches: int,
                    interleave: int = 1) -> tuple[dict[int, tuple[int, ...]], ...] | None:
     """Where each pipeline rank unshards its stages' FSDP parameters, as PyTorch's multi-stage

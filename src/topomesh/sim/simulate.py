@@ -42,6 +42,7 @@ from topomesh.sim.price import (
 )
 from topomesh.sim.result import StageMemory, StepBreakdown, StepResult
 from topomesh.sim.schedules import (
+    RUNTIME_UNSHARDED_STAGES,
     Action,
     Kind,
     Schedule,
@@ -625,6 +626,7 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
     grads: dict[int, int] = {}  # per stage: its gradients, once its first B or W has made them
     output: dict[int, int] = {}  # per stage: its output per micro-batch, from its F to its B (or I)
     gathered = peak_out = 0
+    stage_gathered: list[int] = []
     for s in mine:
         own = p.block_state * layers[s]
         if s == 0:
@@ -643,7 +645,7 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
         output[s] = (p.head_output_bytes if s == last else p.boundary_bytes) if len(layers) > 1 else 0
         works = [pc.work for pc in (*plans[s].forward, *plans[s].backward)]
         if plans[s].forward_later is not None:  # a pipeline stage keeps all its gathered parameters
-            gathered += _stage_bytes(p, plans[s].forward, s, last, "gather_bytes", p.fwd_pre, p.fwd_post)
+            stage_gathered.append(_stage_bytes(p, plans[s].forward, s, last, "gather_bytes", p.fwd_pre, p.fwd_post))
             # and FSDP2 syncs gradients only in the stage's last backward: until then each unit
             # holds its unsharded gradients, accumulated in the reduce dtype
             # (FSDPParam.unsharded_accumulated_grad), the bytes its reduction then reads
@@ -653,6 +655,8 @@ def _memory(p: PricedClass, plans: list[StagePlan], layers: list[int], actions: 
             # inputs of this piece and of the one before, which FSDP2 holds until this one is issued
             gathered = max([gathered, *(2 * w.gather_bytes + 2 * w.reduce_bytes for w in works)])
         peak_out = max([peak_out, *(w.peak_output_bytes for w in works)])
+    # with more stages a rank than the multi-stage runtime keeps unsharded, at most that many at once
+    gathered += sum(sorted(stage_gathered)[-RUNTIME_UNSHARDED_STAGES:])
     live: dict[tuple[int, int], int] = {}
     most = total = 0
     one_stage = len(layers) == 1 and plans[0].forward_later is None
