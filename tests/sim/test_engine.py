@@ -230,3 +230,27 @@ def test_a_multi_stage_runtime_unshards_every_stage_ahead_of_its_input():
     r0 = run.ranks[0]
     assert (r0.compute_s, r0.exposed["dp_shard"], r0.bubble_s) == pytest.approx((8.0, 4.0, 2.0))
     assert run.ranks[1].compute_free == pytest.approx(13.0)
+
+
+def test_a_stage_reduces_after_its_last_backward_and_the_rank_waits_once_its_send_is_posted():
+    # interleaved 1F1B as above (F = B = 1 s, no gathers); each stage's last backward is followed
+    # by its gradient reduction (2.5 s on the network), which PyTorch's REDUCE_GRAD issues after
+    # the backward's SEND_B and which the compute stream then waits for. Rank 1: 3F0 3-4,
+    # 3B0 4-5, 3F1 5-6, 3B1 6-7 (sent at 7), reduce 7-9.5; 1B0 9.5-10.5, 1B1 10.5-11.5, reduce
+    # 11.5-14. Rank 0: 2F0 2-3, 2F1 3-4, 2B0 5-6, 2B1 7-8 (sent at 8), reduce 8-10.5; 0B0
+    # 10.5-11.5, 0B1 11.5-12.5, reduce 12.5-15. A 15 s step: 8 s of compute, 5 s of reduction
+    # waited for, 2 s idle. (Reductions that only the optimizer waits for: 13 s.)
+    from topomesh.sim.schedules import unshard_points
+
+    red = piece(Work(reduce=(Comm("dp_shard", Stream.NET, 2.5),), wait_reduce=True), label="reduce gradients")
+    plan = StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=1.0)),),
+                     backward_last=(piece(Work(compute_s=1.0)), red), backward_input=(), backward_weight=(),
+                     optimizer=())
+    acts = action_order("interleaved-1f1b", pp=2, microbatches=2, interleave=2)
+    for record in (False, True):
+        run = simulate_pipeline([plan] * 4, acts, [0, 1, 0, 1], 0.0, record=record,
+                                unshards=unshard_points("interleaved-1f1b", pp=2, microbatches=2, interleave=2))
+        assert run.step_time_s == pytest.approx(15.0)
+        r0 = run.ranks[0]
+        assert (r0.compute_s, r0.exposed["dp_shard"], r0.bubble_s) == pytest.approx((8.0, 5.0, 2.0))
+        assert run.ranks[1].compute_free == pytest.approx(14.0)

@@ -128,3 +128,25 @@ def test_role_seconds_follow_the_compute_they_are_part_of():
     assert (one.compute_s, one.gather_s, one.reduce_s) == (2.0, 1.0, 0.5)
     scaled = one.scaled(3.0, 1.0)
     assert (scaled.compute_s, scaled.gather_s, scaled.reduce_s) == (6.0, 3.0, 1.5)
+
+
+def test_a_stage_reduces_after_its_last_backward_in_one_piece_the_rank_waits_for():
+    # PyTorch's schedules reduce a stage's gradients in perform_reduce_grad, after its last
+    # backward: the two blocks' reductions (0.7 s each) and their copies (0.3 s each) leave the
+    # block pieces (2 x (0.9 - 0.3 + 10) = 21.2 s of compute, nothing reduced) for one last piece
+    # (0.6 s, both reductions, waited for); the 21.8 s in all stay. On shared cores, where the
+    # reductions are booked blocking, the pieces stay as they were.
+    from topomesh.sim.price import Comm, Stream
+
+    red = Comm("dp_shard", Stream.NET, 0.7, role="reduce")
+    p = _priced()
+    p = dataclasses.replace(p, bwd_block=dataclasses.replace(p.bwd_block, reduce=(red,)))
+    plan = _stage_plan(p, 1, 3, 2, pipelined=True)
+    *blocks, last = plan.backward_last
+    assert sum(len(pc.work.reduce) for pc in blocks) == 0 and _compute(blocks) == pytest.approx(21.2)
+    assert last.count == 1 and last.work.wait_reduce and last.work.reduce == (red, red)
+    assert last.work.compute_s == pytest.approx(0.6) and _compute(plan.backward_last) == pytest.approx(21.8)
+    assert not any(pc.work.wait_reduce for pc in plan.backward_early)
+    shared = dataclasses.replace(p, bwd_block=dataclasses.replace(p.bwd_block, reduce=(), blocking=(red,)))
+    kept = _stage_plan(shared, 1, 3, 2, pipelined=True).backward_last
+    assert len(kept) == 1 and kept[0].work.blocking == (red,) and not kept[0].work.wait_reduce

@@ -180,3 +180,17 @@ def test_a_multi_stage_runtime_unshards_every_stage_ahead_of_its_input():
     assert run.step_time_s == pytest.approx(14.0)
     r0 = run.ranks[0]
     assert (r0.compute_s, r0.exposed["dp_shard"], r0.bubble_s) == pytest.approx((8.0, 4.0, 2.0))
+
+
+def test_a_stage_reduces_after_its_last_backward_and_the_rank_waits_once_its_send_is_posted():
+    # tests/sim/test_engine.py's hand-worked step: each stage's 2.5 s reduction after its last
+    # backward's send, the rank's compute waiting for it: 15 s, 5 s of rank 0's reduction exposed
+    red = Piece(work=Work(reduce=(Comm("dp_shard", Stream.NET, 2.5),), wait_reduce=True), count=1, label="r")
+    plan = StagePlan(forward=(piece(Work(compute_s=1.0)),), backward=(piece(Work(compute_s=1.0)),),
+                     backward_last=(piece(Work(compute_s=1.0)), red), backward_input=(), backward_weight=(),
+                     optimizer=())
+    run = kernel.run([plan] * 4, Schedule.INTERLEAVED_1F1B, 2, 2, 2, [0, 1, 0, 1], 0.0)
+    assert run.step_time_s == pytest.approx(15.0)
+    r0 = run.ranks[0]
+    assert (r0.compute_s, r0.exposed["dp_shard"], r0.bubble_s) == pytest.approx((8.0, 5.0, 2.0))
+    assert run.ranks[1].compute_free == pytest.approx(14.0)

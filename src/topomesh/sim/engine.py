@@ -14,7 +14,9 @@ after the other:
   (``unshards``);
 * the piece computes, then its blocking collectives run on their streams while the compute
   stream waits (tensor/context/expert parallel: the consumer needs the result);
-* its gradient reductions are issued when it ends and only the optimizer waits for them.
+* its gradient reductions are issued when it ends and only the optimizer waits for them
+  (``Work.wait_reduce``: the rank's compute waits for them once the action is done, as FSDP2
+  under a pipeline does after a stage's last backward).
 
 Streams are FIFO in issue order, so a prefetch and a tensor-parallel collective on the same
 link class share it, and an NVLink collective and a network collective overlap.
@@ -61,6 +63,10 @@ class RankState:
     stream_free: dict[Stream, float] = field(default_factory=lambda: dict.fromkeys(_STREAMS, 0.0))
     reduce_end: float = 0.0
     reduce_axis: str = ""
+    hold_end: float = 0.0
+    """End of reductions the compute stream waits for once the running action is done
+    (:attr:`Work.wait_reduce <topomesh.sim.price.Work.wait_reduce>`), and their axis."""
+    hold_axis: str = ""
     compute_s: float = 0.0
     optimizer_s: float = 0.0
     bubble_s: float = 0.0
@@ -116,6 +122,8 @@ def _run_piece(state: RankState, work: Work, gather_end: tuple[float, str], labe
         r_end, r_axis = _issue(state, work.reduce, t, f"{label} reduce")
         if r_end >= state.reduce_end:
             state.reduce_end, state.reduce_axis = r_end, r_axis
+        if work.wait_reduce:
+            state.hold_end, state.hold_axis = r_end, r_axis
     return start
 
 
@@ -172,8 +180,8 @@ def run_action(state: RankState, pieces: Sequence[Piece], memo: dict | None) -> 
     the clock behaves as free at the clock) ends in the same relative state with the same
     bookings. Pipeline schedules repeat actions in that state over and over.
     """
-    if memo is None or state.spans is not None:
-        run_pieces(state, pieces)
+    if memo is None or state.spans is not None or any(p.work.wait_reduce for p in pieces):
+        run_pieces(state, pieces)  # (a hold is the action's own: not replayed)
         return
     t = state.compute_free
     rel = (*(max(state.stream_free[s], t) - t for s in _STREAMS), max(state.reduce_end, t) - t)
@@ -393,6 +401,12 @@ def simulate_pipeline(
                 run_action(state, priced(plans[a.stage].pieces(a.kind, first_mb, last_mb), key), memo)
                 state.busy.append((ready, state.compute_free, key))
                 done[(a.stage, "B" if a.kind is Kind.I else a.kind.value, a.mb)] = state.compute_free
+                if state.hold_end > state.compute_free:  # its sends posted, the rank waits for its reductions
+                    state.book(state.hold_axis, state.hold_end - state.compute_free)
+                    state.span("compute", f"wait for stage {a.stage}'s gradient reductions", state.compute_free,
+                               state.hold_end)
+                    state.compute_free = state.hold_end
+                state.hold_end = 0.0
                 idx[r] += 1
                 remaining -= 1
                 progress = True

@@ -44,9 +44,9 @@ unsharded ahead: :func:`~topomesh.sim.schedules.unshard_points`)."""
 (_F_FIRST, _F_LATER, _B_ONLY, _B_FIRST, _B_EARLY, _B_LAST, _I, _W_ONLY, _W_FIRST, _W_EARLY, _W_LAST, _OPT,
  _F_UNSHARDED) = range(13)
 _STREAM_INDEX = {Stream.INTRA: 0, Stream.NET: 1}
-# rank state columns
-_CF, _SF0, _SF1, _RE, _CS, _OS, _BS, _PS = range(8)
-_COLUMNS = 8
+# rank state columns (_HE, _HA: RankState.hold_end and the index of its axis)
+_CF, _SF0, _SF1, _RE, _CS, _OS, _BS, _PS, _HE, _HA = range(10)
+_COLUMNS = 10
 
 
 @numba.njit(cache=True)
@@ -88,6 +88,9 @@ def _run_piece(st, ex, ra, r, w, w_compute, w_comm, c_stream, c_sec, c_axis, g_e
         if r_end >= st[r, _RE]:
             st[r, _RE] = r_end
             ra[r] = r_axis
+        if w_comm[w, 4]:  # Work.wait_reduce
+            st[r, _HE] = r_end
+            st[r, _HA] = r_axis
     return start
 
 
@@ -169,6 +172,11 @@ def _run_action(st, ex, ra, r, lst, memo_ok, memo_rel, memo_d, memo_ex, memo_axi
                 w_compute, w_comm, c_stream, c_sec, c_axis):  # noqa: ANN001, ANN202
     """:func:`_run_pieces` of piece list ``lst``, replayed when the list last ran from the same
     state relative to the compute clock (the Python engine's ``run_action`` memo, one entry per list)."""
+    for i in range(list_off[lst], list_off[lst + 1]):
+        if w_comm[p_work[i], 4]:  # sets a hold: not replayed
+            _run_pieces(st, ex, ra, r, list_off[lst], list_off[lst + 1], p_work, p_count, w_compute, w_comm,
+                        c_stream, c_sec, c_axis)
+            return
     t = st[r, _CF]
     rel0 = max(st[r, _SF0], t) - t
     rel1 = max(st[r, _SF1], t) - t
@@ -279,6 +287,10 @@ def _simulate(n_ranks, n_axes, p2p_s, late, act_off, act_stage, act_variant, act
                             c_axis)
                 done_t[act_slot[a]] = st[r, _CF]
                 is_done[act_slot[a]] = True
+                if st[r, _HE] > st[r, _CF]:  # its sends posted, the rank waits for its reductions
+                    ex[r, int(st[r, _HA])] += st[r, _HE] - st[r, _CF]
+                    st[r, _CF] = st[r, _HE]
+                st[r, _HE] = 0.0
                 idx[r] += 1
                 remaining -= 1
                 progress = True
@@ -335,7 +347,7 @@ def encode_plans(plans: Sequence[StagePlan]) -> Encoded:
                 bounds.append(len(c_sec))
             i = works[id(w)] = len(w_compute)
             w_compute.append(w.compute_s)
-            w_comm.append((bounds[0], bounds[1], bounds[2], bounds[3]))
+            w_comm.append((bounds[0], bounds[1], bounds[2], bounds[3], int(w.wait_reduce)))
         return i
 
     def list_index(pieces: tuple[Piece, ...]) -> int:
@@ -367,7 +379,7 @@ def encode_plans(plans: Sequence[StagePlan]) -> Encoded:
     enc = Encoded()
     enc.axes = tuple(axes)
     enc.w_compute = np.array(w_compute, dtype=np.float64)
-    enc.w_comm = np.array(w_comm, dtype=np.int64).reshape(len(w_comm), 4)
+    enc.w_comm = np.array(w_comm, dtype=np.int64).reshape(len(w_comm), 5)
     enc.c_stream = np.array(c_stream, dtype=np.int64)
     enc.c_sec = np.array(c_sec, dtype=np.float64)
     enc.c_axis = np.array(c_axis, dtype=np.int64)

@@ -106,6 +106,11 @@ class Work:
     """Of :attr:`compute_s`: what unsharding the piece's parameters costs the computing thread
     (the ops FSDP2 runs to gather or cast them, :func:`op_role` ``"gather"``, and its host work
     per all-gather), which a pipeline stage's later micro-batches do not run."""
+    wait_reduce: bool = False
+    """The rank's compute stream waits for the piece's reductions once its action is done (its
+    sends posted): FSDP2 under a pipeline reduces a stage's gradients in
+    ``PipelineStage.perform_reduce_grad`` after the stage's last backward, and its
+    ``finalize_backward`` orders the compute stream after them (:func:`topomesh.sim.simulate._reducing_after`)."""
     reduce_s: float = 0.0
     """Of :attr:`compute_s`: what reducing the piece's gradients costs the computing thread
     (FSDP2's copies into and out of the reduction, :func:`op_role` ``"reduce"``), which a

@@ -524,16 +524,40 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
     quiet = strip(backward, "reduce")
     quiet_w = strip(plan.backward_weight, "reduce")
     plan = dataclasses.replace(
-        plan, backward=backward, backward_input=strip(plan.backward_input, "gather"),
+        plan, backward=_reducing_after(backward), backward_input=strip(plan.backward_input, "gather"),
         forward_later=strip(plan.forward, "gather"),
         backward_first=_casting(p, quiet), backward_early=_accumulating(p, quiet, pipelined=True),
-        backward_last=_accumulating(p, backward, pipelined=True),
+        backward_last=_reducing_after(_accumulating(p, backward, pipelined=True)),
+        backward_weight=_reducing_after(plan.backward_weight),
         backward_weight_first=_casting(p, quiet_w),
         backward_weight_early=_accumulating(p, quiet_w, pipelined=True),
-        backward_weight_last=_accumulating(p, plan.backward_weight, pipelined=True))
+        backward_weight_last=_reducing_after(_accumulating(p, plan.backward_weight, pipelined=True)))
     if not action_s:
         return plan
     return plan.with_each_action((Piece(work=Work(compute_s=action_s), count=1, label="pipeline action"),))
+
+
+def _reducing_after(pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
+    """A pipeline stage's last backward (or W) ``pieces`` with their gradient reductions issued
+    together after them, which the rank then waits for: PyTorch's schedules run a stage's
+    backwards without gradient sync and reduce in ``PipelineStage.perform_reduce_grad`` once
+    the last is done and its sends are posted (GPipe and 1F1B at the end of the step, the
+    multi-stage runtime in a ``REDUCE_GRAD`` action after the stage's last backward and its
+    ``SEND_B``), where FSDP2's ``post_backward`` issues every unit's reduction and
+    ``finalize_backward`` orders the compute stream after them. So none overlaps the backward's
+    compute, and under a multi-stage schedule none overlaps the rank's next action
+    (:attr:`Work.wait_reduce`). FSDP2's copies around them (``Work.reduce_s``) go with them.
+    Collectives booked blocking (shared cores, where FSDP2 reduces synchronously) stay as
+    they are."""
+    reduce = tuple(c for pc in pieces for _ in range(pc.count) for c in pc.work.reduce)
+    if not reduce:
+        return pieces
+    copies = sum(pc.work.reduce_s * pc.count for pc in pieces if pc.work.reduce)
+    moved = tuple(dataclasses.replace(pc, work=dataclasses.replace(
+        pc.work, reduce=(), reduce_s=0.0, compute_s=max(0.0, pc.work.compute_s - pc.work.reduce_s)))
+        if pc.work.reduce else pc for pc in pieces)
+    last = Work(compute_s=copies, reduce_s=copies, reduce=reduce, wait_reduce=True)
+    return (*moved, Piece(work=last, count=1, label="reduce gradients"))
 
 
 def _scaling(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
