@@ -83,8 +83,7 @@ def test_equals_the_python_engine(schedule: Schedule, pp: int, interleave: int):
     plans = [plan] * len(stage_rank)
     want = simulate_pipeline(plans, action_order(schedule, pp=pp, microbatches=m, interleave=interleave),
                              stage_rank, 0.3, late_receives=schedule.receives_at_action,
-                             unshards=unshard_points(schedule, pp=pp, microbatches=m, interleave=interleave)
-                             if pp > 1 else None)
+                             unshards=unshard_points(schedule, pp=pp, microbatches=m, interleave=interleave))
     got = kernel.run(plans, schedule, pp, m, interleave, stage_rank, 0.3)
     assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert got.critical_rank == want.critical_rank

@@ -180,8 +180,8 @@ def run_action(state: RankState, pieces: Sequence[Piece], memo: dict | None) -> 
     the clock behaves as free at the clock) ends in the same relative state with the same
     bookings. Pipeline schedules repeat actions in that state over and over.
     """
-    if memo is None or state.spans is not None or any(p.work.wait_reduce for p in pieces):
-        run_pieces(state, pieces)  # (a hold is the action's own: not replayed)
+    if memo is None or state.spans is not None:
+        run_pieces(state, pieces)
         return
     t = state.compute_free
     rel = (*(max(state.stream_free[s], t) - t for s in _STREAMS), max(state.reduce_end, t) - t)
@@ -190,6 +190,8 @@ def run_action(state: RankState, pieces: Sequence[Piece], memo: dict | None) -> 
     if hit is None:
         compute, exposed, reduce_end = state.compute_s, dict(state.exposed), state.reduce_end
         run_pieces(state, pieces)
+        if any(p.work.wait_reduce for p in pieces):  # a hold is the action's own: never replayed
+            return
         delta = (
             state.compute_free - t,
             tuple(max(state.stream_free[s], state.compute_free) - t for s in _STREAMS),
@@ -294,6 +296,13 @@ class StagePlan:
         return base if got is None else got
 
 
+def without_gathers(pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
+    """``pieces`` without their all-gathers (a stage the multi-stage runtime unsharded ahead:
+    :func:`~topomesh.sim.schedules.unshard_points`); the compute that unshards stays."""
+    return tuple(dataclasses.replace(p, work=dataclasses.replace(p.work, gather=())) if p.work.gather else p
+                 for p in pieces)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineResult:
     step_time_s: float
@@ -335,12 +344,8 @@ def simulate_pipeline(
     ranks = [RankState(spans=[] if record else None) for _ in actions]
     stage_gathers: list[tuple[Comm, ...]] = []
     if unshards is not None:  # each stage's first forward without its gathers, and the gathers
-        stripped = []
-        for plan in plans:
-            stage_gathers.append(tuple(c for p in plan.forward for _ in range(p.count) for c in p.work.gather))
-            stripped.append(tuple(dataclasses.replace(p, work=dataclasses.replace(p.work, gather=()))
-                                  if p.work.gather else p for p in plan.forward))
-        plans = [dataclasses.replace(plan, forward=f) for plan, f in zip(plans, stripped, strict=True)]
+        stage_gathers = [tuple(c for p in plan.forward for _ in range(p.count) for c in p.work.gather) for plan in plans]
+        plans = [dataclasses.replace(plan, forward=without_gathers(plan.forward)) for plan in plans]
     gathering: dict[tuple[int, int], tuple[float, str]] = {}  # (rank, stage): its unshard's end, axis
     issued = [-1] * len(actions)
     scaled: dict[tuple[int, float, float], tuple[Piece, ...]] = {}

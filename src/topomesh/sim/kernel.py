@@ -22,7 +22,6 @@ stays for timelines (``record=True``), which this one does not draw.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -30,7 +29,14 @@ import numba
 import numpy as np
 
 from topomesh.errors import LayoutError
-from topomesh.sim.engine import EngineResult, Piece, RankState, StagePlan, first_and_last
+from topomesh.sim.engine import (
+    EngineResult,
+    Piece,
+    RankState,
+    StagePlan,
+    first_and_last,
+    without_gathers,
+)
 from topomesh.sim.price import Stream
 from topomesh.sim.schedules import Kind, Schedule, action_order, stage_count, unshard_points
 
@@ -172,11 +178,6 @@ def _run_action(st, ex, ra, r, lst, memo_ok, memo_rel, memo_d, memo_ex, memo_axi
                 w_compute, w_comm, c_stream, c_sec, c_axis):  # noqa: ANN001, ANN202
     """:func:`_run_pieces` of piece list ``lst``, replayed when the list last ran from the same
     state relative to the compute clock (the Python engine's ``run_action`` memo, one entry per list)."""
-    for i in range(list_off[lst], list_off[lst + 1]):
-        if w_comm[p_work[i], 4]:  # sets a hold: not replayed
-            _run_pieces(st, ex, ra, r, list_off[lst], list_off[lst + 1], p_work, p_count, w_compute, w_comm,
-                        c_stream, c_sec, c_axis)
-            return
     t = st[r, _CF]
     rel0 = max(st[r, _SF0], t) - t
     rel1 = max(st[r, _SF1], t) - t
@@ -197,6 +198,9 @@ def _run_action(st, ex, ra, r, lst, memo_ok, memo_rel, memo_d, memo_ex, memo_axi
     reduce_end = st[r, _RE]
     _run_pieces(st, ex, ra, r, list_off[lst], list_off[lst + 1], p_work, p_count, w_compute, w_comm, c_stream,
                 c_sec, c_axis)
+    for i in range(list_off[lst], list_off[lst + 1]):
+        if w_comm[p_work[i], 4]:  # sets a hold, the action's own: never replayed
+            return
     cf = st[r, _CF]
     memo_d[lst, 0] = cf - t
     memo_d[lst, 1] = max(st[r, _SF0], cf) - t
@@ -365,8 +369,7 @@ def encode_plans(plans: Sequence[StagePlan]) -> Encoded:
     for s, plan in enumerate(plans):
         for v, name in enumerate(VARIANTS):
             if name == "forward_unsharded":
-                pieces = tuple(dataclasses.replace(p, work=dataclasses.replace(p.work, gather=())) if p.work.gather
-                               else p for p in plan.forward)
+                pieces = without_gathers(plan.forward)
                 keep.append(pieces)
                 plan_lists[s, v] = list_index(pieces)
                 continue
@@ -397,7 +400,7 @@ def encode_actions(schedule: Schedule, pp: int, microbatches: int, interleave: i
     another rank's, the slot it fills, the number of slots, and the stages unsharded before
     each action (:func:`~topomesh.sim.schedules.unshard_points`: offsets per action, stages)."""
     actions = action_order(schedule, pp=pp, microbatches=microbatches, interleave=interleave)
-    unshards = unshard_points(schedule, pp=pp, microbatches=microbatches, interleave=interleave) if pp > 1 else None
+    unshards = unshard_points(schedule, pp=pp, microbatches=microbatches, interleave=interleave)
     n_stages = stage_count(schedule, pp, interleave) if pp > 1 else 1
     last = n_stages - 1
     firsts, lasts = first_and_last(actions)

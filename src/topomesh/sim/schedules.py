@@ -115,7 +115,7 @@ def _stand_in(stage: int, stages: int, pp: int, rank: int) -> object:
 
 def action_order(schedule: Schedule | str, *, pp: int, microbatches: int, interleave: int = 1) -> list[list[Action]]:
     """Compute actions of every pipeline rank in the order PyTorch's schedule runs them."""
-    return [list(acts) for acts in _action_order(Schedule(schedule), pp, microbatches, interleave)]
+    return [list(acts) for acts in _lowered(Schedule(schedule), pp, microbatches, interleave)[0]]
 
 
 RUNTIME_UNSHARDED_STAGES = 3
@@ -129,7 +129,7 @@ def unshard_points(schedule: Schedule | str, *, pp: int, microbatches: int,
     runtime does: per rank, ``{i: stages}``, the stages whose ``UNSHARD`` runs just before the
     rank's compute action ``i`` (an index into :func:`action_order`'s list for that rank).
     ``None`` for GPipe and 1F1B, whose stage gathers in its first forward (FSDP2's pre-forward
-    hook, once the input has arrived).
+    hook, once the input has arrived), and without a pipeline (``pp`` 1).
 
     The runtime (``_PipelineScheduleRuntime``, every multi-stage schedule) lowers the compute
     actions with ``_add_unshard_reshard``: before each action it unshards the next three
@@ -143,19 +143,17 @@ def unshard_points(schedule: Schedule | str, *, pp: int, microbatches: int,
     {0: (0, 2)}
     >>> unshard_points("1f1b", pp=2, microbatches=4) is None
     True
+    >>> unshard_points("interleaved-1f1b", pp=1, microbatches=2, interleave=2) is None
+    True
     """
-    return _lowered(Schedule(schedule), pp, microbatches, interleave)[1]
-
-
-@functools.lru_cache(maxsize=256)
-def _action_order(schedule: Schedule, pp: int, microbatches: int, interleave: int) -> tuple[tuple[Action, ...], ...]:
-    """:func:`action_order`, built once per argument set (torch's constructors take tens of ms)."""
-    return _lowered(schedule, pp, microbatches, interleave)[0]
+    return _lowered(Schedule(schedule), pp, microbatches, interleave)[1] if pp > 1 else None
 
 
 @functools.lru_cache(maxsize=256)
 def _lowered(schedule: Schedule, pp: int, microbatches: int,
              interleave: int) -> tuple[tuple[tuple[Action, ...], ...], tuple[dict[int, tuple[int, ...]], ...] | None]:
+    """Every rank's compute actions and :func:`unshard_points`, built once per argument set
+    (torch's constructors take tens of ms)."""
     order, sched = _build_order(schedule, pp, microbatches, interleave)
     actions = tuple(tuple(acts) for acts in order)
     lowered = getattr(sched, "pipeline_order_with_comms", None) if schedule.multi_stage else None

@@ -422,8 +422,7 @@ def simulate(model: Model, cluster: Cluster, layout: Layout, training: Training,
         else:
             run = simulate_pipeline(plans, actions, stage_rank, p2p_s, record=True,
                                     late_receives=schedule.receives_at_action,
-                                    unshards=unshard_points(schedule, pp=pp, microbatches=micro, interleave=interleave)
-                                    if pp > 1 else None)
+                                    unshards=unshard_points(schedule, pp=pp, microbatches=micro, interleave=interleave))
     else:
         pricer = Pricer(cluster, link_of, table or {}, memo.ops)
         secs, streams = [], []
