@@ -510,21 +510,12 @@ def _stage_plan(p: PricedClass, s: int, stages: int, n: int, *, pipelined: bool 
         return dataclasses.replace(plan, backward_early=added, backward_last=added,
                                    backward_weight_early=added_w, backward_weight_last=added_w)
 
-    def strip(pieces: tuple[Piece, ...], what: str) -> tuple[Piece, ...]:
-        # the collectives of a role (where they share the compute cores they are all booked
-        # blocking) and the ops and host work FSDP2 runs around them (Work.gather_s, reduce_s)
-        def without(w: Work) -> Work:
-            own = getattr(w, f"{what}_s")
-            return dataclasses.replace(w, **{what: (), f"{what}_s": 0.0}, compute_s=max(0.0, w.compute_s - own),
-                                       blocking=tuple(c for c in w.blocking if c.role != what))
-        return tuple(dataclasses.replace(pc, work=without(pc.work)) for pc in pieces)
-
-    backward = strip(plan.backward, "gather")
-    quiet = strip(backward, "reduce")
-    quiet_w = strip(plan.backward_weight, "reduce")
+    backward = _without_role(plan.backward, "gather")
+    quiet = _without_role(backward, "reduce")
+    quiet_w = _without_role(plan.backward_weight, "reduce")
     plan = dataclasses.replace(
-        plan, backward=_reducing_after(backward), backward_input=strip(plan.backward_input, "gather"),
-        forward_later=strip(plan.forward, "gather"),
+        plan, backward=_reducing_after(backward), backward_input=_without_role(plan.backward_input, "gather"),
+        forward_later=_without_role(plan.forward, "gather"),
         backward_first=_casting(p, quiet), backward_early=_accumulating(p, quiet, pipelined=True),
         backward_last=_reducing_after(_accumulating(p, backward, pipelined=True)),
         backward_weight=_reducing_after(plan.backward_weight),
@@ -551,12 +542,20 @@ def _reducing_after(pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
     reduce = tuple(c for pc in pieces for _ in range(pc.count) for c in pc.work.reduce)
     if not reduce:
         return pieces
-    copies = sum(pc.work.reduce_s * pc.count for pc in pieces if pc.work.reduce)
-    moved = tuple(dataclasses.replace(pc, work=dataclasses.replace(
-        pc.work, reduce=(), reduce_s=0.0, compute_s=max(0.0, pc.work.compute_s - pc.work.reduce_s)))
-        if pc.work.reduce else pc for pc in pieces)
+    copies = sum(pc.work.reduce_s * pc.count for pc in pieces)
     last = Work(compute_s=copies, reduce_s=copies, reduce=reduce, wait_reduce=True)
-    return (*moved, Piece(work=last, count=1, label="reduce gradients"))
+    return (*_without_role(pieces, "reduce"), Piece(work=last, count=1, label="reduce gradients"))
+
+
+def _without_role(pieces: tuple[Piece, ...], what: str) -> tuple[Piece, ...]:
+    """``pieces`` without the collectives of a role (``"gather"`` or ``"reduce"``; where they
+    share the compute cores they are all booked blocking) and the ops and host work FSDP2 runs
+    around them (``Work.gather_s``, ``Work.reduce_s``)."""
+    def without(w: Work) -> Work:
+        own = getattr(w, f"{what}_s")
+        return dataclasses.replace(w, **{what: (), f"{what}_s": 0.0}, compute_s=max(0.0, w.compute_s - own),
+                                   blocking=tuple(c for c in w.blocking if c.role != what))
+    return tuple(dataclasses.replace(pc, work=without(pc.work)) for pc in pieces)
 
 
 def _scaling(p: PricedClass, pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
