@@ -115,11 +115,16 @@ def test_cli_local_json_and_bad_input(tmp_path, capsys):
     first = json.loads(out.read_text())["meta"]
     # the two ranks timed their functional collectives against the plain ones: every kind, size, dtype
     assert len(first["functional_premium_s"]) == 16 and all(abs(v) < 0.1 for v in first["functional_premium_s"].values())
+    # and the share of their collectives' time their processes spent on a core: a real share
+    assert 0.0 < first["collective_cpu_share"]["2"] <= 1.0
     assert main(["calibrate", "--local", "2", "--json", "--min-bytes", str(64 * 1024), "--max-bytes", str(2**24),
                  "--factor", "4", "--collectives", "broadcast", "--output", str(out), "--pool", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["sweeps"] == 2
     meta = load_profile(out).meta
     assert meta["samples"][:5] == first["samples"] and len(meta["samples"]) == 10  # 5 sizes a sweep
+    # per-sweep figures pooled as the mean of the two sweeps'
+    assert meta["collective_cpu_share"]["2"] == pytest.approx(
+        (first["collective_cpu_share"]["2"] + meta["sweeps"][1]["collective_cpu_share"]["2"]) / 2)
     assert [s["measured_at"] for s in meta["sweeps"]][0] == first["measured_at"]
     # one fit over both sweeps' points, each size's two means averaged first: 3 training sizes, 3 points
     assert load_profile(out).model(CollectiveKind.BROADCAST, LinkKind.SHM).fit.train_points == 3

@@ -296,6 +296,17 @@ def test_local_takes_the_functional_premium_where_it_is_sane(tmp_path, monkeypat
     assert load_cluster("local", gpus=1).functional_premium_s == ()  # one rank issues no collective
 
 
+@pytest.mark.parametrize("saved, taken", [({"2": 0.64}, 0.64), ({"2": 1.3}, None), ({"2": -0.1}, None),
+                                          ("0.6", None), (None, None)])
+def test_local_takes_the_collectives_cpu_share_where_it_is_a_share(tmp_path, monkeypatch, saved, taken):
+    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
+    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
+                   collective_cpu_share=saved)
+    assert load_cluster("local", gpus=2).collective_cpu_share == taken
+    assert load_cluster("local", gpus=1).collective_cpu_share is None  # one rank issues no collective
+
+
 def test_local_takes_a_whole_nodes_collectives_cost_only_for_as_many_ranks_as_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))

@@ -149,3 +149,53 @@ def test_the_local_cluster_prices_pipelines_so(monkeypatch):
     shared = dataclasses.replace(handoff, collectives_share_compute=True, collective_in_step_s=((0.008, 4e-4),))
     Simulator(model=model, cluster=shared).simulate(Layout(pp=2), training)
     assert calls[0]["late_handoff_s"] == pytest.approx(1e-3 - 4e-4)
+
+
+def _f_only(compute_s: float, comm_s: float) -> StagePlan:
+    """A stage whose forward computes ``compute_s`` then waits for a ``comm_s`` collective
+    (lock-step prices); its backward costs nothing."""
+    fwd = (Piece(work=Work(compute_s=compute_s, blocking=(Comm("tp", Stream.INTRA, comm_s),)), count=1, label="f"),)
+    return StagePlan(forward=fwd, backward=(), backward_input=(), backward_weight=(), optimizer=())
+
+
+@pytest.mark.parametrize("cpu, expected", [(None, 6.0), (0.5, 5.5)])
+def test_ranks_that_overlap_share_the_core_for_what_their_collectives_run_on_it(cpu, expected):
+    # One core, one rank a stage. Each forward is 1 s of compute and a 0.5 s collective alone
+    # (2 and 1 s lock-step at share 2). F(0,0) alone: 1.5 s. F(0,1) and F(1,0) run together:
+    # the compute at share 2 (2 s), the collective at share 2 only for the half it spends on the
+    # core (0.5 s: 1 s with cpu 1) -> 2.5 s (3 s). F(1,1) alone: 1.5 s.
+    # 1.5 + 2.5 + 1.5 = 5.5 s; 6.0 when a collective holds its core throughout.
+    cluster = dataclasses.replace(sharing(cores=1), collective_cpu_share=cpu)
+    plans = [_f_only(2.0, 1.0), _f_only(2.0, 1.0)]
+    actions = [[Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0), Action(0, Kind.B, 1)],
+               [Action(1, Kind.F, 0), Action(1, Kind.B, 0), Action(1, Kind.F, 1), Action(1, Kind.B, 1)]]
+    run = shared_pipeline(plans, actions, [0, 1], 0.0, cluster, ranks_per_stage=1)
+    assert run.step_time_s == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("stretches, expected", [(((2, 1.2), (4, 2.2)), 7.6), (((2, 1.2), (4, 2.6)), 7.8)])
+def test_a_stage_in_lock_step_loses_no_more_than_all_the_ranks_would(stretches, expected, monkeypatch):
+    # Four ranks on two cores, tensor-parallel pairs: measured stretch 1.2 for two ranks, 2.2 for
+    # all four (a loss of 2.2 / 2 = 1.1 over the cores' share). A forward is 1 s of compute and a
+    # 1 s collective alone (2.2 and 2 s lock-step), half of it on a core. Alone the pair takes
+    # 1.2 + 1 = 2.2 s. Both pairs at once: 2 x 1.1 + 2 x 0.5 = 3.2 s, not 2 x 1.2 + 2 x 0.5 =
+    # 3.4: the pair's own waits are another pair's compute. 2.2 + 3.2 + 2.2 = 7.6 s. With four
+    # ranks losing more (2.6 / 2 = 1.3) the pair's own 1.2 is the limit: 2.4 + 1 -> 7.8 s.
+    cluster = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1,
+                                  compute_stretch=dict(stretches)[4], compute_stretches=stretches,
+                                  collective_cpu_share=0.5)
+    full = cluster.compute_share
+    plans = [_f_only(1.0 * full, 2.0), _f_only(1.0 * full, 2.0)]
+    actions = [[Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0), Action(0, Kind.B, 1)],
+               [Action(1, Kind.F, 0), Action(1, Kind.B, 0), Action(1, Kind.F, 1), Action(1, Kind.B, 1)]]
+    from topomesh.sim import shared
+
+    seen = []
+    real = shared.action_stretch
+    monkeypatch.setattr(shared, "action_stretch", lambda cost, *a, **k: seen.append(cost) or real(cost, *a, **k))
+    run = shared_pipeline(plans, actions, [0, 1], 0.0, cluster, ranks_per_stage=2)
+    assert run.step_time_s == pytest.approx(expected, rel=1e-3)
+    # every forward weighed at one rank's own times (1 s and 1 s), not at the lock-step prices;
+    # the backwards and optimizers cost nothing
+    forwards = [cost for cost in seen if cost != (0.0, 0.0)]
+    assert forwards and all(cost == pytest.approx((1.0, 1.0)) for cost in forwards)

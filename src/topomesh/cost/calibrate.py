@@ -19,7 +19,9 @@ compute of ranks sharing a host stretches when they run at once (:func:`measure_
 ``meta["compute_stretch"]``), which the ``local`` cluster prices compute with, what a collective
 costs more after compute (:func:`measure_collective_in_step`) and the host work of a pipeline
 schedule's action (:func:`topomesh.cost.pipeline.measure_pipeline_action`, ``meta["pipeline_action_s"]``), and a
-hand-off between computing pipeline ranks (:func:`topomesh.cost.pipeline.measure_pipeline_handoff`, its ``handoff_wait`` key).
+hand-off between computing pipeline ranks (:func:`topomesh.cost.pipeline.measure_pipeline_handoff`, its ``handoff_wait`` key),
+and the share of a collective's time its processes spend on a core (:func:`measure_collective_cpu_share`,
+``meta["collective_cpu_share"]``).
 """
 
 from __future__ import annotations
@@ -587,6 +589,50 @@ def measure_functional_premium(ranks: Sequence[int], *, repeats: int = 100) -> d
     return out if me == pair[0] else None
 
 
+CPU_SHARE_POINTS = ((CollectiveKind.ALL_GATHER, 128 * KiB), (CollectiveKind.REDUCE_SCATTER, 128 * KiB),
+                    (CollectiveKind.ALL_REDUCE, 256 * KiB), (CollectiveKind.ALL_GATHER, 4 * MiB),
+                    (CollectiveKind.REDUCE_SCATTER, 4 * MiB))
+"""(collective, bytes of the full buffer) :func:`measure_collective_cpu_share` times: tensor
+parallel's activations and an FSDP2 unit's parameters."""
+
+
+def measure_collective_cpu_share(ranks: Sequence[int], *, repeats: int = 50) -> dict[str, float] | None:
+    """The share of a collective's time that two ranks of one host (the first two of ``ranks``)
+    spend on a core: per point of :data:`CPU_SHARE_POINTS`, ``repeats`` calls back to back after
+    a barrier, each rank's process CPU time (every thread: gloo's own run the transfer) over
+    its wall time, averaged over the points and the two ranks; the rest of the time they wait
+    for each other or for the socket, leaving the core to another rank
+    (:attr:`~topomesh.cost.cluster.Cluster.collective_cpu_share`). Call on every rank of the
+    world; returns ``{"2": share}`` on ``ranks[0]``, None on the others.
+
+    Two gloo ranks on the 2-vCPU EPYC VM, 2026-12-08, 200 calls a point: all-reduce of 4 KiB /
+    128 KiB / 1 MiB / 4 MiB 64 / 62 / 67 / 70 %, all-gather 67 / 69 / 75 / 77 %."""
+    import torch
+    import torch.distributed as dist
+
+    from topomesh.layout import groups as tm_groups
+
+    me = dist.get_rank()
+    pair = tuple(ranks[:2])
+    pg = tm_groups.new_group(pair)  # every rank makes it; None: the world
+    shares = torch.zeros(len(CPU_SHARE_POINTS), dtype=torch.float64)
+    if me in pair:
+        for i, (kind, nbytes) in enumerate(CPU_SHARE_POINTS):
+            inp, buf = _buffers(kind, nbytes, 2, "cpu")
+            call = _op(kind, inp, buf, pg, pair, me)
+            for _ in range(3):
+                call()
+            dist.barrier(group=pg)
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(repeats):
+                call()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            shares[i] = min(1.0, cpu / wall) if wall > 0 else 1.0
+        dist.all_reduce(shares, group=pg)
+    dist.barrier()
+    return {"2": float(shares.mean()) / 2} if me == pair[0] else None
+
+
 def _functional_op(funcol: Any, kind: CollectiveKind, full: Any, pg: Any) -> Callable[[], None]:
     """``kind`` as DTensor issues it on ``full`` (an all-gather of its first half along dimension 1),
     waited for."""
@@ -676,10 +722,10 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
     rows in ``samples``, in order, and per sweep in ``sweeps`` when it was measured, how many
     rows it holds, its compute stretch, its :func:`measure_collective_in_step` (two ranks,
     pairs of the host's ranks stepping together, all of them) and its
-    :func:`~topomesh.cost.pipeline.measure_pipeline_action` and :func:`measure_functional_premium`;
-    ``compute_stretch``, ``collective_in_step_s``, ``collective_in_step_pairs_s``,
-    ``collective_in_step_node_s``, ``pipeline_action_s`` and ``functional_premium_s`` are the
-    means of the sweeps'.
+    :func:`~topomesh.cost.pipeline.measure_pipeline_action`, :func:`measure_functional_premium` and
+    :func:`measure_collective_cpu_share`; ``compute_stretch``, ``collective_in_step_s``,
+    ``collective_in_step_pairs_s``, ``collective_in_step_node_s``, ``pipeline_action_s``,
+    ``functional_premium_s`` and ``collective_cpu_share`` are the means of the sweeps'.
 
     >>> one = {"measured_at": "t1", "samples": [["all_reduce", "SHM", 2, 8, 1.0]],
     ...        "compute_stretch": {"2": 1.2}, "world_size": 2}
@@ -711,7 +757,8 @@ def pool_sweeps(old: Any, new: dict[str, Any], keep: int) -> tuple[dict[str, Any
             "collective_in_step_pairs_s": _mean_per_key([sw.get("collective_in_step_pairs_s") for sw in kept]) or None,
             "collective_in_step_node_s": _mean_per_key([sw.get("collective_in_step_node_s") for sw in kept]) or None,
             "pipeline_action_s": _mean_per_key([sw.get("pipeline_action_s") for sw in kept]) or None,
-            "functional_premium_s": _mean_per_key([sw.get("functional_premium_s") for sw in kept]) or None}, None
+            "functional_premium_s": _mean_per_key([sw.get("functional_premium_s") for sw in kept]) or None,
+            "collective_cpu_share": _mean_per_key([sw.get("collective_cpu_share") for sw in kept]) or None}, None
 
 
 def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
@@ -722,7 +769,8 @@ def _sweep_entry(meta: dict[str, Any]) -> dict[str, Any]:
             "collective_in_step_pairs_s": meta.get("collective_in_step_pairs_s"),
             "collective_in_step_node_s": meta.get("collective_in_step_node_s"),
             "pipeline_action_s": meta.get("pipeline_action_s"),
-            "functional_premium_s": meta.get("functional_premium_s")}
+            "functional_premium_s": meta.get("functional_premium_s"),
+            "collective_cpu_share": meta.get("collective_cpu_share")}
 
 
 def _mean_per_key(dicts: Sequence[Any]) -> dict[str, float]:
@@ -913,6 +961,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
         if pipe is not None:  # rank 0's; "handoff" (ddb19bc-b88b3b0) held the step's slope, not read
             pipe["handoff_wait"] = handoff
         functional = measure_functional_premium(local) if pair else None
+        cpu_share = measure_collective_cpu_share(local) if pair else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, samples)
         rank_cpus: list[Any] = [None] * dist.get_world_size()
@@ -933,6 +982,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any] | None:
             "collective_in_step_node_s": in_step_node,
             "pipeline_action_s": pipe,
             "functional_premium_s": functional,
+            "collective_cpu_share": cpu_share,
             "rank_cpus": rank_cpus,
             "measured_at": time.strftime(MEASURED_AT, time.gmtime()),
             "groups": [{"ranks": list(g.ranks), "link": g.link.value, "scope": g.scope} for g in groups],

@@ -167,6 +167,13 @@ class Cluster:
     """Every ``(rank count, stretch)`` the calibration measured on the node (:attr:`compute_stretch`
     is the one of all its ranks): what :meth:`lock_step_stretch` reads for a pipeline stage's
     ranks. Empty: not measured."""
+    collective_cpu_share: float | None = None
+    """Measured where collectives run on the computing cores (``local``): the share of a
+    collective's time its ranks' processes spend on a core
+    (:func:`topomesh.cost.calibrate.measure_collective_cpu_share`: 0.62-0.77 with gloo here);
+    the rest they wait, leaving the core to a rank that computes. What a pipeline's ranks on
+    shared cores take of each other (:func:`topomesh.sim.shared.shared_pipeline`). None: not
+    measured (GPU presets; a profile from before it): a collective holds its core throughout."""
     collective_in_step_s: tuple[tuple[float, float], ...] = ()
     """Measured where collectives run on the computing cores (``local``): (seconds of compute
     before a collective, how much longer it then takes than back to back, as the calibration
@@ -302,6 +309,22 @@ class Cluster:
             return 1.0
         measured = dict(self.compute_stretches).get(ranks, 0.0)
         return max(measured, self.cores_share_at(ranks))
+
+    def lock_step_loss(self, ranks: float) -> float:
+        """What ``ranks`` of the node computing in lock-step lose beyond their share of the
+        cores (:meth:`lock_step_stretch` over :meth:`cores_share_at`): 1 for one rank, linear
+        between the rank counts measured (fractional counts: a mean over an interval), the
+        last one's beyond them; 1 where nothing was measured.
+
+        >>> import dataclasses
+        >>> c = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=2, threads_per_rank=1,
+        ...                         compute_stretches=((2, 1.2), (4, 2.2)))
+        >>> [round(c.lock_step_loss(n), 3) for n in (1, 1.5, 2, 3, 4, 8)]
+        [1.0, 1.1, 1.2, 1.15, 1.1, 1.1]
+        """
+        counts = [1, *sorted(n for n, _ in self.compute_stretches if n > 1)]
+        losses = [1.0, *(self.lock_step_stretch(n) / self.cores_share_at(n) for n in counts[1:])]
+        return float(np.interp(ranks, counts, losses))
 
     def in_step_extra_s(self, gap_s: float, ranks: int = 2) -> float:
         """What a collective of ``ranks`` of a node costs more after ``gap_s`` seconds of compute,
@@ -527,6 +550,19 @@ def local_profile(directory: Path | None = None, hostname: str | None = None) ->
     return prof, path
 
 
+def _cpu_share(raw: Any) -> float | None:
+    """A profile's ``collective_cpu_share`` (``{"2": share}``): the share, None where it is
+    missing or not a number in (0, 1].
+
+    >>> _cpu_share({"2": 0.7}), _cpu_share({"2": 1.5}), _cpu_share(None), _cpu_share({"2": "x"})
+    (0.7, None, None, None)
+    """
+    value = raw.get("2") if isinstance(raw, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value <= 1.0:
+        return None
+    return float(value)
+
+
 def _premium_points(raw: Any) -> tuple[tuple[str, str, int, float], ...]:
     """``meta.functional_premium_s`` (``{"kind/dtype/bytes": seconds}``) as points; an entry that
     is not a known collective, a dtype name, a positive size and seconds under 0.1 either way is
@@ -641,6 +677,7 @@ def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> 
                    pipeline_action_s=_action_seconds(pipe, "single"),
                    pipeline_multi_action_s=_action_seconds(pipe, "multi"),
                    pipeline_handoff_s=_action_seconds(pipe, "handoff_wait"),
+                   collective_cpu_share=_cpu_share(prof.meta.get("collective_cpu_share")) if n > 1 else None,
                    functional_premium_s=_premium_points(prof.meta.get("functional_premium_s")) if n > 1 else ())
 
 

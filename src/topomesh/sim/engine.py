@@ -76,6 +76,9 @@ class RankState:
     busy: list[tuple[float, float, ActionKey]] = field(default_factory=list)
     """(start, end, action) of every action the rank ran, from the end of its wait for the
     action's input; the optimizer as ``(stage, "opt", 0)``."""
+    costs: dict[ActionKey, tuple[float, float]] = field(default_factory=dict)
+    """Per action of :attr:`busy`: the seconds of compute it ran and of communication it waited
+    for (what :func:`topomesh.sim.shared.shared_pipeline` shares out)."""
 
     def book(self, axis: str, seconds: float) -> None:
         if seconds > 0:
@@ -403,7 +406,9 @@ def simulate_pipeline(
                 first_mb = firsts.get((a.stage, a.kind)) == a.mb
                 last_mb = lasts.get((a.stage, a.kind)) == a.mb
                 key = (a.stage, a.kind.value, a.mb)
+                compute, waited = state.compute_s, sum(state.exposed.values())
                 run_action(state, priced(plans[a.stage].pieces(a.kind, first_mb, last_mb), key), memo)
+                state.costs[key] = (state.compute_s - compute, sum(state.exposed.values()) - waited)
                 state.busy.append((ready, state.compute_free, key))
                 done[(a.stage, "B" if a.kind is Kind.I else a.kind.value, a.mb)] = state.compute_free
                 if state.hold_end > state.compute_free:  # its sends posted, the rank waits for its reductions
@@ -427,8 +432,9 @@ def simulate_pipeline(
         before = state.compute_s
         for s, plan in enumerate(plans):
             if stage_rank[s] == r:
-                start = state.compute_free
+                start, compute, waited = state.compute_free, state.compute_s, sum(state.exposed.values())
                 run_pieces(state, priced(plan.optimizer, (s, "opt", 0)))
+                state.costs[(s, "opt", 0)] = (state.compute_s - compute, sum(state.exposed.values()) - waited)
                 state.busy.append((start, state.compute_free, (s, "opt", 0)))
         state.optimizer_s += state.compute_s - before
         state.compute_s = before

@@ -29,6 +29,13 @@ where FSDP gathers (its first forward) and reduces (its last backward), so they 
 stretch (:func:`~topomesh.sim.simulate.meeting_ranks`): with it ``pp=2,dp_replicate=2`` was
 priced 16-26 % over its runs (GPipe and 1F1B), whose steps took twice a rank's CPU time, the
 cores kept busy; without it GPipe +3.6 %.
+
+Only what runs on a core is shared (:func:`action_stretch`): a rank waiting in a collective
+(for its peer, for the socket) leaves its core to another stage's rank, and so does a pair
+waiting for each other at a collective. Until 2026-12-08 the sharing multiplied the whole
+action, the pair's lock-step stretch and its collectives included: a ``tp=2,pp=2`` step's
+actions with both stages busy were priced at twice their time alone where the runs took 1.5
+times (a /tmp timeline of the real step: stage 1's backward 47 ms alone, 70 ms beside stage 0).
 """
 
 from __future__ import annotations
@@ -50,6 +57,39 @@ SETTLED = 1e-4
 DAMPING = 0.5
 """Each run's stretches move half way to what the run before implies: without it a rank that
 was slowed stops overlapping the others, is sped up, overlaps again, and so on."""
+
+
+def action_stretch(cost: tuple[float, float], share: float, *, alone: float, lock: float, loss: float,
+                   cpu: float) -> tuple[float, float]:
+    """(factor on compute, factor on communication) over one rank's own times of an action
+    whose compute and communication take ``cost`` seconds at those times, with its
+    stage's ranks sharing the cores ``alone`` times over on their own and ``share`` times over
+    with the other ranks busy while it runs (:meth:`~topomesh.cost.cluster.Cluster.cores_share_at`).
+
+    The larger of two floors. Alone the stage runs at its own share, its compute stretched by
+    its ranks' ``lock``-step loss (waiting for each other at every collective). With more
+    ranks busy than cores, the cores are the limit: each rank's work on a core is its compute,
+    stretched by the ``loss`` of that many ranks in lock-step (the waits of one stage cannot
+    cost more: another stage computes in them), and the ``cpu`` share of its communication (the
+    rest of a collective's time it waits, off the core).
+
+    Four ranks on two cores, two tensor-parallel pairs each meeting at an all-reduce of 4 KiB
+    (1.56 ms back to back, 64 % of it on a core) after every ~4 ms of compute (2026-12-08, /tmp
+    experiment, the 2-vCPU EPYC VM): one pair alone took 1.80 times one rank's compute alone,
+    both pairs at once 2.69 (1.49 times the pair alone, not the two cores' 2.0); after every
+    ~34 ms, 1.17 and 2.30. Until then the stretch was the share times the pair's own pace,
+    3.60 and 2.34; this gives 2.0 × 1.125 + 2.0 × 0.64 × 1.56 / 4 = 2.75, and 2.30 (four ranks'
+    lock-step loss 1.125, as calibrated then).
+
+    >>> action_stretch((2.0, 1.0), 2.0, alone=1.0, lock=1.2, loss=1.1, cpu=0.5)  # cores bound
+    (2.2, 1.0)
+    >>> action_stretch((2.0, 1.0), 1.0, alone=1.0, lock=1.2, loss=1.1, cpu=0.5)  # its own pace
+    (1.2, 1.0)
+    """
+    compute, comm = cost
+    own = (alone * lock, alone)
+    busy = (share * loss, share * cpu)
+    return busy if compute * busy[0] + comm * busy[1] > compute * own[0] + comm * own[1] else own
 
 
 def busy_ranks(busy: Sequence[Sequence[tuple[float, float, ActionKey]]], ranks_per_stage: int
@@ -99,17 +139,22 @@ def shared_pipeline(plans: Sequence[StagePlan], actions: Sequence[Sequence[Actio
     # a stage's ranks that meet at its collectives: their lock-step stretch on top of the sharing
     meet = ranks_per_stage if lock_step_ranks is None else lock_step_ranks
     lock = cluster.lock_step_stretch(meet) / cluster.cores_share_at(meet)
+    alone = cluster.cores_share_at(ranks_per_stage)
+    cpu = 1.0 if cluster.collective_cpu_share is None else cluster.collective_cpu_share
     scale: dict[ActionKey, tuple[float, float]] = {}
     engine = functools.partial(simulate_pipeline, plans, actions, stage_rank, p2p_s, late_receives=late_receives,
                                late_handoff_s=late_handoff_s)
     run = engine()
+    # per action, its compute and communication at one rank's own times (the run was lock-step)
+    costs = {key: (c / full_compute, x / full_comm) for st in run.ranks for key, (c, x) in st.costs.items()}
     for _ in range(ROUNDS):
         moved = 0.0
         for key, k in busy_ranks([st.busy for st in run.ranks], ranks_per_stage).items():
-            share = cluster.cores_share_at(k)
+            target = action_stretch(costs[key], cluster.cores_share_at(k), alone=alone, lock=lock,
+                                    loss=min(lock, cluster.lock_step_loss(k)), cpu=cpu)
             compute, comm = scale.get(key, (1.0, 1.0))
-            step_compute = DAMPING * (share * lock / full_compute - compute)
-            step_comm = DAMPING * (share / full_comm - comm)
+            step_compute = DAMPING * (target[0] / full_compute - compute)
+            step_comm = DAMPING * (target[1] / full_comm - comm)
             scale[key] = (compute + step_compute, comm + step_comm)
             moved = max(moved, abs(step_compute), abs(step_comm))
         run = engine(scale=scale)
