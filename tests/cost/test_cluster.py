@@ -267,18 +267,21 @@ def test_local_takes_the_compute_stretch_measured_for_its_rank_count(tmp_path, m
     assert load_cluster("local", gpus=1).compute_stretch is None  # one rank waits for no one
 
 
-@pytest.mark.parametrize("saved, taken", [
-    ({"0.008": 1.5e-3, "0.0005": 2e-4}, ((0.0005, 2e-4), (0.008, 1.5e-3))),  # sorted by compute
-    ({"0.002": -1e-4, "0.008": 3.0, "slow": 1e-3, "2.0": 1e-3}, ((0.002, -1e-4),)),  # 3 s, no gap, 2 s: dropped
-    (4.5e-4, ()), (None, ()),  # not the measured shape
+@pytest.mark.parametrize("key, saved, taken, one_rank", [
+    ("collective_in_step_s", {"0.008": 1.5e-3, "0.0005": 2e-4}, ((0.0005, 2e-4), (0.008, 1.5e-3)), ()),  # by compute
+    ("collective_in_step_s", {"0.002": -1e-4, "0.008": 3.0, "slow": 1e-3, "2.0": 1e-3}, ((0.002, -1e-4),), ()),
+    ("collective_in_step_s", 4.5e-4, (), ()), ("collective_in_step_s", None, (), ()),  # not the measured shape
+    ("collective_cpu_share", {"2": 0.64}, 0.64, None), ("collective_cpu_share", {"2": 1.3}, None, None),
+    ("collective_cpu_share", {"2": -0.1}, None, None), ("collective_cpu_share", "0.6", None, None),
+    ("collective_cpu_share", None, None, None),
 ])
-def test_local_takes_the_collectives_cost_after_compute_where_it_is_sane(tmp_path, monkeypatch, saved, taken):
+def test_local_takes_a_collective_figure_where_it_is_sane(tmp_path, monkeypatch, key, saved, taken, one_rank):
+    # the in-step costs: 3 s, no gap and a 2 s gap dropped; the CPU share: a number in (0, 1]
     monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
-    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
-                   collective_in_step_s=saved)
-    assert load_cluster("local", gpus=2).collective_in_step_s == taken
-    assert load_cluster("local", gpus=1).collective_in_step_s == ()  # one rank issues no collective
+    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(), **{key: saved})
+    assert getattr(load_cluster("local", gpus=2), key) == taken
+    assert getattr(load_cluster("local", gpus=1), key) == one_rank  # one rank issues no collective
 
 
 def test_local_takes_the_functional_premium_where_it_is_sane(tmp_path, monkeypatch):
@@ -294,17 +297,6 @@ def test_local_takes_the_functional_premium_where_it_is_sane(tmp_path, monkeypat
     # half way in bytes, half way in seconds (by hand: 1e-4 + (5e-4 - 1e-4) / 2)
     assert two.functional_premium("reduce_scatter", "bfloat16", (4096 + 131072) // 2) == pytest.approx(3e-4)
     assert load_cluster("local", gpus=1).functional_premium_s == ()  # one rank issues no collective
-
-
-@pytest.mark.parametrize("saved, taken", [({"2": 0.64}, 0.64), ({"2": 1.3}, None), ({"2": -0.1}, None),
-                                          ("0.6", None), (None, None)])
-def test_local_takes_the_collectives_cpu_share_where_it_is_a_share(tmp_path, monkeypatch, saved, taken):
-    monkeypatch.setenv("TOPOMESH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cl, "cpu_spec", lambda directory=None: device_spec("A100-SXM4-80GB"))
-    _write_profile(tmp_path / "collectives", "p", "2025-01-01T00:00:00Z", socket.gethostname(),
-                   collective_cpu_share=saved)
-    assert load_cluster("local", gpus=2).collective_cpu_share == taken
-    assert load_cluster("local", gpus=1).collective_cpu_share is None  # one rank issues no collective
 
 
 def test_local_takes_a_whole_nodes_collectives_cost_only_for_as_many_ranks_as_measured(tmp_path, monkeypatch):

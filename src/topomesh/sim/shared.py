@@ -21,10 +21,11 @@ comes from 2–32 ms segments between barriers (1.77 for four ranks there), whic
 lock-step ranks meeting at every layer's collective see.
 
 Where a stage has several ranks (``pp=2,tp=2``: a tensor-parallel pair a stage), those do meet
-at every layer's collective: their compute keeps the measured lock-step stretch of that many
-ranks (:meth:`~topomesh.cost.cluster.Cluster.lock_step_stretch`, 1.12 for two here) over their
-own core share, on top of the sharing with the other stages' ranks. A pair alone on the two
-cores computes at 1.12 times one rank's time, not 1.0. A stage's data-parallel ranks meet only
+at every layer's collective: alone, their compute keeps the measured lock-step stretch of that
+many ranks (:meth:`~topomesh.cost.cluster.Cluster.lock_step_stretch`, 1.12 for two here) over
+their own core share. A pair alone on the two cores computes at 1.12 times one rank's time,
+not 1.0; beside the other stages' ranks it loses no more than all of them would in lock-step
+(see below). A stage's data-parallel ranks meet only
 where FSDP gathers (its first forward) and reduces (its last backward), so they keep no such
 stretch (:func:`~topomesh.sim.simulate.meeting_ranks`): with it ``pp=2,dp_replicate=2`` was
 priced 16-26 % over its runs (GPipe and 1F1B), whose steps took twice a rank's CPU time, the
