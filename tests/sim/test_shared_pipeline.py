@@ -199,3 +199,17 @@ def test_a_stage_in_lock_step_loses_no_more_than_all_the_ranks_would(stretches, 
     # the backwards and optimizers cost nothing
     forwards = [cost for cost in seen if cost != (0.0, 0.0)]
     assert forwards and all(cost == pytest.approx((1.0, 1.0)) for cost in forwards)
+
+
+def test_a_stage_alone_keeps_its_own_share_of_the_cores():
+    # Four ranks on one core, two a stage, one micro-batch: the stages never overlap. Each forward
+    # is 1 s of compute and a 1 s collective alone (4 and 4 s lock-step at share 4). Alone a stage's
+    # two ranks share the core: 2 x 1 + 2 x 1 = 4 s, the collective's time off the core included
+    # (no other rank is there to use it). F0 then F1: 8 s.
+    cluster = dataclasses.replace(load_cluster("dgx-h100", gpus=4), cores=1, threads_per_rank=1,
+                                  collective_cpu_share=0.5)
+    assert cluster.compute_share == cluster.core_share == 4.0
+    plans = [_f_only(4.0, 4.0), _f_only(4.0, 4.0)]
+    actions = [[Action(0, Kind.F, 0), Action(0, Kind.B, 0)], [Action(1, Kind.F, 0), Action(1, Kind.B, 0)]]
+    run = shared_pipeline(plans, actions, [0, 1], 0.0, cluster, ranks_per_stage=2)
+    assert run.step_time_s == pytest.approx(8.0, rel=1e-3)

@@ -554,13 +554,11 @@ def _cpu_share(raw: Any) -> float | None:
     """A profile's ``collective_cpu_share`` (``{"2": share}``): the share, None where it is
     missing or not a number in (0, 1].
 
-    >>> _cpu_share({"2": 0.7}), _cpu_share({"2": 1.5}), _cpu_share(None), _cpu_share({"2": "x"})
-    (0.7, None, None, None)
+    >>> _cpu_share({"2": 0.7}), _cpu_share({"2": 1.5}), _cpu_share(None), _cpu_share({"2": "x"}), _cpu_share({"2": True})
+    (0.7, None, None, None, None)
     """
-    value = raw.get("2") if isinstance(raw, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value <= 1.0:
-        return None
-    return float(value)
+    v = _number(raw, "2")
+    return v if v is not None and 0.0 < v <= 1.0 else None
 
 
 def _premium_points(raw: Any) -> tuple[tuple[str, str, int, float], ...]:
@@ -621,8 +619,14 @@ def _action_seconds(raw: Any, kind: str) -> float:
     >>> [_action_seconds(r, "single") for r in ({"single": 1e-4}, {"single": -1e-5}, {"single": True}, None)]
     [0.0001, 0.0, 0.0, 0.0]
     """
-    v = raw.get(kind) if isinstance(raw, dict) else None
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 0.1 else 0.0
+    v = _number(raw, kind)
+    return v if v is not None and 0 <= v < 0.1 else 0.0
+
+
+def _number(raw: Any, key: str) -> float | None:
+    """``raw[key]`` where ``raw`` is a dict and it is a number (not a bool), else None."""
+    v = raw.get(key) if isinstance(raw, dict) else None
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def local_cluster(*, gpus: int | None = None, directory: Path | None = None) -> Cluster:
